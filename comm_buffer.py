@@ -1,0 +1,535 @@
+"""Fused gradient buffers with `release_grads`: Paddle's `tensor_fusion_helper.py` in torch.
+
+Mirrors `python/paddle/distributed/fleet/utils/tensor_fusion_helper.py` at commit 9b40c67f672f
+(PR #59739), where `FusedCommBuffer` gained `release_grads`.
+
+A `FusedCommBuffer` packs the grads of a bucket of parameters into one flat tensor, so that one
+collective per bucket (all-reduce for data parallel, reduce to the owner for sharding v1,
+reduce-scatter for sharding v2) can run during backward, as soon as every parameter has checked
+in `acc_steps` micro-batches. Without release the flat buffer lives for the whole run and each
+`param.grad` (or fp32 `param.main_grad`) is a view of its slot. With release nothing is allocated
+up front: the first check-in of a step allocates the buffer, adds the first micro-batch's grad
+into its slot and re-points the grad at the slot; later micro-batches accumulate in place; after
+the optimizer step the caller drops the grads and calls `_clear_grad_storage()`.
+Phases of a step: check in -> communicate -> wait and scale -> step -> release.
+
+Leaves out: `use_reduce_avg`, `free_grads_in_comm`, timers and XPU paths (all added later).
+
+References: Paddle PRs #59739, #58441, #58462, #58621; Rajbhandari et al., "ZeRO" (2020).
+"""
+import weakref
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+
+ALIGNMENT_BYTES = 256  # Paddle's alignment["gpu"]: each slot starts on a 256-byte boundary
+
+
+class HOOK_ACTION:
+    """The collective a `FusedCommBuffer` issues on its whole buffer (Paddle's HOOK_ACTION)."""
+
+    ALL_REDUCE = 0  # data parallel: every rank gets the sum
+    REDUCE = 1  # sharding v1: the owner rank `dst` gets the sum
+    REDUCE_SCATTER = 2  # sharding v2 (split_param): each rank gets the sum of its shard
+
+
+def global_rank(group, group_rank):
+    """Global rank of `group_rank` within `group` (None = WORLD): Paddle's `group.ranks[i]`."""
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def assign_group_by_size(params, group_size=128 * 1024 * 1024):
+    """Split `params` into buckets of about `group_size` bytes (param dtype), one dtype each.
+
+    Mirrors Paddle's `assign_group_by_size` (C++ `eager_assign_group_by_size`): params are taken
+    in order, a bucket closes once its bytes reach `group_size` (so its last param may overshoot),
+    and buckets are numbered by their first param. Returns `OrderedDict[int, list[Tensor]]`.
+    Raises ValueError if `group_size` is not positive.
+    """
+    if group_size <= 0:
+        raise ValueError(f"group_size must be > 0 bytes, got {group_size}")
+    open_buckets, closed = {}, []
+    for i, p in enumerate(params):
+        bucket = open_buckets.setdefault(p.dtype, [[], 0])
+        bucket[0].append(i)
+        bucket[1] += p.numel() * p.element_size()
+        if bucket[1] >= group_size:
+            closed.append(open_buckets.pop(p.dtype)[0])
+    closed += [indices for indices, _ in open_buckets.values()]
+    closed.sort(key=lambda indices: indices[0])
+    return OrderedDict((k, [params[i] for i in idx]) for k, idx in enumerate(closed))
+
+
+def bw_hook_func(buffer, param):
+    """Hook for `param.register_post_accumulate_grad_hook`: check `param` in to `buffer`.
+
+    Paddle registers it with `param._register_backward_hook`, which, like torch's post-accumulate
+    hook, runs after this micro-batch's grad has been accumulated into `param.grad`. Differs from
+    Paddle: the hook holds the buffer weakly and takes the param from its argument, because a
+    reference cycle through a tensor's hooks is never collected in torch (the params, their
+    optimizer state and buffers would outlive the model). Keep the buffer alive while training.
+    """
+    buffer_ref = weakref.ref(buffer)
+
+    @torch.no_grad()
+    def fused_comm(param):
+        buffer = buffer_ref()
+        if buffer is None:
+            raise RuntimeError("a grad hook outlived its FusedCommBuffer; keep the buffers "
+                               "(e.g. the pipeline's _chunk_2_comm_buffers) alive while training")
+        buffer.add_grad(param)
+
+    return fused_comm
+
+
+def register_main_grad_hooks(params):
+    """Keep an fp32 `param.main_grad` beside low-precision params (Paddle's MixPrecisionLayer).
+
+    Sets `main_grad = None` on every trainable param and registers a post-accumulate-grad hook
+    that, on each micro-batch, creates `main_grad` as an fp32 copy of the grad (first micro-batch
+    of a step) or adds the grad into it in place, then sets `param.grad = None`. Register these
+    before the buffer hooks (`bw_hook_func`) so `add_grad` sees the updated `main_grad`: torch
+    runs post-accumulate hooks in registration order. Returns the hook handles.
+    """
+    handles = []
+    for p in params:
+        if p.requires_grad:
+            if not hasattr(p, "main_grad"):
+                p.main_grad = None
+            handles.append(p.register_post_accumulate_grad_hook(_update_main_grad))
+    return handles
+
+
+@torch.no_grad()
+def _update_main_grad(param):
+    if param.main_grad is None:
+        param.main_grad = param.grad.float()
+    else:
+        param.main_grad.add_(param.grad)  # fp32 += bf16 is computed in fp32
+    param.grad = None
+
+
+def _grad_of(param, use_main_grad):
+    return param.main_grad if use_main_grad else param.grad
+
+
+def _set_grad(param, use_main_grad, value):
+    if use_main_grad:
+        param.main_grad = value
+    else:
+        param.grad = value
+
+
+def _share_param_buffer(param, param_buffer, index):
+    """Copy `param` into `param_buffer[index:index+numel]` and make it a view of that range."""
+    flat = param_buffer[index : index + param.numel()]
+    flat.copy_(param.detach().reshape(-1))
+    param.data = flat.view(param.shape)  # same Parameter object: optimizers keep working
+
+
+class ShardingGradView:
+    """One parameter's place in a REDUCE_SCATTER bucket (Paddle's `ShardingGradView`).
+
+    The param occupies elements `[index, index + padded_size)` of the flat param buffer and of the
+    grad buffer (1-D, `padded_size` a multiple of `(256 / elem_size) * sharding_degree`). This rank
+    owns `[rank * shard, (rank + 1) * shard)`, `shard = buffer numel / sharding_degree`, and
+    `_param_begin:_param_end` is the overlap of the two ranges in buffer elements: it may be empty,
+    may include padding, and a param may straddle ranks. `_slice_grad` is the 1-D grad view of
+    that overlap; the optimizer's slice param is the matching 1-D view of the param buffer.
+    """
+
+    def __init__(self, param, param_buffer, grad_buffer, index, padded_size, sharding_degree,
+                 rank, use_main_grad=False, release_grad=False):
+        self._param = param
+        self._param_buffer = param_buffer
+        self._grad_buffer = grad_buffer
+        self._index = index
+        self._padded_size = padded_size
+        self._use_main_grad = use_main_grad
+        shard = param_buffer.numel() // sharding_degree
+        self._param_begin = max(index, rank * shard)
+        self._param_end = min(index + padded_size, (rank + 1) * shard)
+        # Differs from Paddle: an overlap made of padding only counts as empty here, so a rank
+        # whose shard holds none of this param's elements gets no slice and no optimizer state
+        # (Paddle hands its optimizer that all-zero slice; it stays zero under SGD and Adam).
+        self._has_local = self._param_begin < min(self._param_end, index + param.numel())
+        self._slice_grad = None
+        if not release_grad:
+            self._link_grad_to_buffer()
+        _share_param_buffer(param, param_buffer, index)
+
+    def _slice_grad_from_buffer(self):
+        """Set `_slice_grad` from `_grad_buffer`; return the param's 1-D grad view (numel)."""
+        if self._has_local:
+            self._slice_grad = self._grad_buffer[self._param_begin : self._param_end]
+        return self._grad_buffer[self._index : self._index + self._param.numel()]
+
+    def _link_grad_to_buffer(self):
+        grad = self._slice_grad_from_buffer().view(self._param.shape)
+        _set_grad(self._param, self._use_main_grad, grad)
+
+    def fill_slice_param(self, slice_param):
+        """Make `slice_param` the 1-D view `param_buffer[_param_begin:_param_end]`."""
+        slice_param.data = self._param_buffer[self._param_begin : self._param_end]
+
+    def assign_slice_grad(self, slice_param):
+        """Fill `slice_param` and bind its grad (or main_grad) to `_slice_grad`; skip if empty."""
+        if self._slice_grad is None:
+            return
+        self.fill_slice_param(slice_param)
+        if self._use_main_grad:
+            current = getattr(slice_param, "main_grad", None)
+        else:
+            current = slice_param.grad
+        if current is None:
+            _set_grad(slice_param, self._use_main_grad, self._slice_grad)
+        else:  # Paddle asserts the same: a stale slice grad must not survive into a new step
+            assert current.data_ptr() == self._slice_grad.data_ptr(), "stale slice grad"
+
+    def _reset_grad_buffer(self):
+        """Drop this view's references to the grad buffer (Paddle frees them with _clear_dataptr)."""
+        self._slice_grad = None
+        self._grad_buffer = None
+
+
+def build_reduce_scatter_buffer(params, sharding_degree, rank, use_main_grad=False,
+                                release_grad=False):
+    """Lay out a REDUCE_SCATTER bucket; move `params` into one flat param buffer.
+
+    Each param is padded to a multiple of `unit = (256 / elem_size) * sharding_degree` elements,
+    so every rank's shard starts on a 256-byte boundary. Worked example, bf16 params of 300, 1000
+    and 20 elements on 4 ranks: unit 512; padded 512, 1024, 512; total 2048, shard 512; the first
+    lies on rank 0, the second straddles ranks 1 and 2 (rank 2's piece ends in 24 padding elements),
+    the third is 20 elements plus padding on rank 3; rank 0's overlap with the second is empty.
+    Returns `(views: dict[param, ShardingGradView], total elements, param_buffer, grad_buffer)`;
+    the grad buffer (fp32 with main_grad, else param dtype, zero-filled) is None when releasing.
+    """
+    dtype, device = params[0].dtype, params[0].device
+    unit = ALIGNMENT_BYTES // dtype.itemsize * sharding_degree
+    padded = [(p.numel() + unit - 1) // unit * unit for p in params]
+    total = sum(padded)
+    grad_dtype = torch.float32 if use_main_grad else dtype
+    param_buffer = torch.zeros(total, dtype=dtype, device=device)
+    grad_buffer = None if release_grad else torch.zeros(total, dtype=grad_dtype, device=device)
+    views, index = {}, 0
+    for p, size in zip(params, padded):
+        views[p] = ShardingGradView(p, param_buffer, grad_buffer, index, size, sharding_degree,
+                                    rank, use_main_grad, release_grad)
+        index += size
+    return views, total, param_buffer, grad_buffer
+
+
+def flatten_layout(params):
+    """Offsets of an ALL_REDUCE / REDUCE bucket (layout half of Paddle's flatten_dense_tensors).
+
+    Each param's slot is its numel padded up to 256 bytes measured in the *param* dtype, also
+    when the buffer holds fp32 main grads (bf16, 1000 elements: 2000 B + 48 B of padding, a slot
+    of 1024 elements, i.e. 4096 B of fp32). Returns `(buffer_size in elements,
+    param2offset: dict[param, element offset])`.
+    """
+    size, param2offset = 0, {}
+    for p in params:
+        pad_bytes = -p.numel() * p.element_size() % ALIGNMENT_BYTES
+        param2offset[p] = size
+        size += p.numel() + pad_bytes // p.element_size()
+    return size, param2offset
+
+
+class FusedCommBuffer:
+    """One bucket's fused grad buffer and its collective (Paddle's `FusedCommBuffer`).
+
+    Args:
+        id: bucket index, for messages.
+        params: non-empty list of trainable params of one dtype, on one device.
+        comm_group: torch process group of the collective (None = WORLD).
+        acc_steps: check-ins per param (micro-batches) before the collective fires.
+        act: a HOOK_ACTION value.
+        dst: for REDUCE, the *global* rank that receives the sum; -1 for the other actions.
+        use_main_grad: use `param.main_grad` (fp32 buffer); None = whether params[0] has it.
+        fuse_param: also move the params into one flat param buffer (not with release).
+        scale_after_comm: scale by 1/nranks after the collective (else before).
+        release_grads: allocate the grad buffer lazily each step; see `_clear_grad_storage`.
+
+    Attributes: `grad_storage` (1-D, `buffer_size` elements; None while released),
+    `param_storage` (REDUCE_SCATTER or fuse_param), `param2offset` (ALL_REDUCE / REDUCE),
+    `_sharding_param_grad_view` (REDUCE_SCATTER). Params are keys by identity (Paddle: by name).
+    Raises ValueError for an empty or mixed-dtype bucket, an unknown act, a dst that does not
+    fit the act, `fuse_param` with `release_grads` or with REDUCE_SCATTER, or acc_steps < 1.
+    """
+
+    def __init__(self, id, params, comm_group, acc_steps=1, act=None, dst=-1,
+                 use_main_grad=None, fuse_param=False, scale_after_comm=True,
+                 release_grads=False):
+        params = list(params)
+        _check_args(params, acc_steps, act, dst, fuse_param, release_grads)
+        self._id = id
+        self._params = params
+        self._index = {p: i for i, p in enumerate(params)}
+        self._acc_steps = acc_steps
+        self._comm_group = comm_group
+        self._nranks = dist.get_world_size(comm_group)
+        self._act = act
+        self._dst = dst
+        self._scale_after_comm = scale_after_comm
+        self._fuse_param = fuse_param
+        self._release_grads = release_grads
+        self.use_main_grad = (use_main_grad if use_main_grad is not None
+                              else hasattr(params[0], "main_grad"))
+        self._dtype = torch.float32 if self.use_main_grad else params[0].dtype
+        self._task = None
+        self._params_step_dict = {}  # param -> check-ins this step; popped at acc_steps
+        self._params_checked_in = 0
+        self._grads_to_addr = {}
+        self._init_step_dict()
+        self.param_storage = self.grad_storage = None
+        device = params[0].device
+        with torch.no_grad():
+            if act != HOOK_ACTION.REDUCE_SCATTER:
+                self.buffer_size, self.param2offset = flatten_layout(params)
+                if fuse_param:
+                    self.param_storage = torch.zeros(self.buffer_size, dtype=params[0].dtype,
+                                                     device=device)
+                    for p in params:
+                        _share_param_buffer(p, self.param_storage, self.param2offset[p])
+                if not release_grads:
+                    self.grad_storage = torch.zeros(self.buffer_size, dtype=self._dtype,
+                                                    device=device)
+                    for p in params:
+                        _set_grad(p, self.use_main_grad, self._slot(p).view(p.shape))
+            else:
+                (self._sharding_param_grad_view, self.buffer_size, self.param_storage,
+                 self.grad_storage) = build_reduce_scatter_buffer(
+                    params, self._nranks, dist.get_rank(comm_group), self.use_main_grad,
+                    release_grads)
+                # How sharding v2 finds buffers that the pipeline built (Paddle's hack too).
+                params[0].comm_buffer_ref = weakref.ref(self)
+        if not release_grads:
+            self._record_addr()
+
+    @property
+    def params(self):
+        return self._params
+
+    def _name(self, param):
+        return (f"param #{self._index[param]} of bucket {self._id} "
+                f"(shape {tuple(param.shape)}, {param.dtype})")
+
+    def _slot(self, param):
+        offset = self.param2offset[param]
+        return self.grad_storage[offset : offset + param.numel()]
+
+    def _record_addr(self):
+        for p in self._params:
+            grad = _grad_of(p, self.use_main_grad)
+            self._grads_to_addr[p] = None if grad is None else grad.data_ptr()
+
+    def _init_step_dict(self):
+        self._params_step_dict = {p: 0 for p in self._params}
+
+    def _reset_params_checked_in(self):
+        self._task = None
+        self._init_step_dict()
+        self._params_checked_in = 0
+
+    @property
+    def _all_params_checked_in(self):
+        return (self._params_checked_in == len(self._params)
+                and len(self._params_step_dict) == 0)
+
+    @torch.no_grad()
+    def _copy_grad_to_buffer(self, param):
+        """Release only: at the param's first check-in of a step, move its grad into its slot.
+
+        Allocates `zeros(buffer_size)` of the grad dtype (fp32 with main_grad) if the buffer is
+        absent, adds `param.grad` (or `main_grad`) into the param's slot and re-points it at the
+        slot, shape `param.shape`, so later micro-batches accumulate in place. Does nothing after
+        the first check-in. Raises ValueError if the param has no grad to move.
+        """
+        if self._params_step_dict[param] > 0:
+            return
+        if self.grad_storage is None:
+            self.grad_storage = torch.zeros(self.buffer_size, dtype=self._dtype,
+                                            device=param.device)
+        if self._act == HOOK_ACTION.REDUCE_SCATTER:
+            view = self._sharding_param_grad_view[param]
+            view._grad_buffer = self.grad_storage
+            slot = view._slice_grad_from_buffer()
+        else:
+            slot = self._slot(param)
+        grad = _grad_of(param, self.use_main_grad)
+        if grad is None:
+            raise ValueError(
+                f"{self._name(param)} has no {'main_grad' if self.use_main_grad else 'grad'} "
+                "to copy into the grad buffer: every param of a bucket must get a grad each "
+                "step (freeze unused params before building buffers)")
+        slot.add_(grad.reshape(-1))
+        _set_grad(param, self.use_main_grad, slot.view(param.shape))
+
+    @torch.no_grad()
+    def _clear_grad_storage(self):
+        """Release: drop the grad buffer after the optimizer step (Paddle's `_clear_grad_storage`).
+
+        Paddle frees the memory with `_clear_dataptr()`. torch has no such call, and a view keeps
+        its whole base storage alive, so the memory returns to the allocator only once nobody
+        points into it. So this drops every reference the buffer holds (`grad_storage`, each
+        ShardingGradView's slice and buffer) and also, beyond Paddle, every bucket param's grad /
+        main_grad that still aliases the storage: a stale view would keep the memory and feed
+        last step's values into the next step. Views held elsewhere (v2 slice params, fp32
+        master grads) are their owners' to drop. Any partial check-ins of the step are dropped.
+        Unlike Paddle, which raises, a call with nothing allocated is a no-op, so that
+        `zero_grad()` can be called at any point of a loop, as torch users do.
+        Raises RuntimeError while a collective on the buffer is still in flight.
+        """
+        if self._task is not None:
+            raise RuntimeError(f"bucket {self._id}: a collective on the grad buffer is in "
+                               "flight; call scale_grads() before releasing the buffer")
+        storage, self.grad_storage = self.grad_storage, None
+        if self._act == HOOK_ACTION.REDUCE_SCATTER:
+            for view in self._sharding_param_grad_view.values():
+                view._reset_grad_buffer()
+        if storage is not None:
+            base = storage.untyped_storage().data_ptr()
+            for p in self._params:
+                grad = _grad_of(p, self.use_main_grad)
+                if grad is not None and grad.untyped_storage().data_ptr() == base:
+                    _set_grad(p, self.use_main_grad, None)
+        self._reset_params_checked_in()
+
+    def add_grad(self, param, use_comm=True):
+        """Check `param` in for this micro-batch; issue the collective once all are in.
+
+        Without release, first checks that the grad is still the view of its slot (Paddle's
+        "address changed" check). With release, moves the grad into the buffer on its first
+        check-in (`_copy_grad_to_buffer`). After every param has checked in `acc_steps` times
+        and `use_comm` is set, calls `comm_grads()`.
+        Raises ValueError if the param is not in this bucket, has already checked in
+        `acc_steps` times this step, or (release off) its grad no longer aliases its slot.
+        """
+        if param not in self._params_step_dict:
+            if param not in self._index:
+                raise ValueError(f"add_grad: a param of shape {tuple(param.shape)} is not in "
+                                 f"bucket {self._id}; register hooks only on its own params")
+            raise ValueError(f"add_grad: {self._name(param)} already checked in acc_steps="
+                             f"{self._acc_steps} times this step; call scale_grads() to end "
+                             "the step, or build the buffer with the real micro-batch count")
+        if not self._release_grads:
+            grad = _grad_of(param, self.use_main_grad)
+            if (None if grad is None else grad.data_ptr()) != self._grads_to_addr[param]:
+                raise ValueError(
+                    f"The address of the grad/main_grad of {self._name(param)} changed during "
+                    "training; with a fused buffer and release_grads off the grad must stay the "
+                    "view of its slot. Likely causes: zero_grad(set_to_none=True) / "
+                    "clear_grad(set_to_zero=False), or an out-of-place op that rebinds the grad "
+                    "(grad = grad * s). Zero in place (set_to_none=False, grad.mul_(s)), or "
+                    "turn release_gradients on.")
+        else:
+            self._copy_grad_to_buffer(param)
+        self._params_step_dict[param] += 1
+        if self._params_step_dict[param] == self._acc_steps:
+            self._params_checked_in += 1
+            self._params_step_dict.pop(param)
+        if self._all_params_checked_in and use_comm:
+            self.comm_grads()
+
+    def comm_grads(self):
+        """Issue the collective; raises RuntimeError unless every param has checked in."""
+        if not self._all_params_checked_in:
+            raise RuntimeError(f"bucket {self._id}: not all params checked in: "
+                               f"{len(self._params)} params, {self._params_checked_in} "
+                               "checked in")
+        self._comm_grads()
+
+    @torch.no_grad()
+    def _comm_grads(self):
+        """Issue one async SUM collective over the whole `grad_storage` on `comm_group`."""
+        if not self._scale_after_comm:
+            self.grad_storage.mul_(1.0 / self._nranks)
+        group, storage = self._comm_group, self.grad_storage
+        if self._act == HOOK_ACTION.ALL_REDUCE:
+            self._task = dist.all_reduce(storage, group=group, async_op=True)
+        elif self._act == HOOK_ACTION.REDUCE:
+            self._task = dist.reduce(storage, dst=self._dst, group=group, async_op=True)
+        else:  # in place: this rank's shard of the same buffer receives the reduced shard
+            self._task = _reduce_scatter(self._local_shard(storage), storage, group)
+
+    def _local_shard(self, buffer):
+        shard = buffer.numel() // self._nranks
+        rank = dist.get_rank(self._comm_group)
+        return buffer[rank * shard : (rank + 1) * shard]
+
+    @torch.no_grad()
+    def scale_grads(self):
+        """Wait for the collective, scale by 1/nranks (if after comm), reset the check-ins.
+
+        Raises RuntimeError if no collective was issued this step.
+        """
+        if self._task is None:
+            raise RuntimeError(f"bucket {self._id}: no collective in flight; every param must "
+                               f"check in acc_steps={self._acc_steps} times (or call "
+                               "_comm_grads()) before scale_grads()")
+        self._task.wait()
+        if self._scale_after_comm:
+            self.grad_storage.mul_(1.0 / self._nranks)
+        self._reset_params_checked_in()
+
+    @torch.no_grad()
+    def assign_slice_grad(self, param, slice_param):
+        """REDUCE_SCATTER: bind `slice_param` (1-D) and its grad to this rank's piece of `param`.
+
+        Raises ValueError for another action or a param that is not in this bucket.
+        """
+        self._require_reduce_scatter("assign_slice_grad")
+        if param not in self._index:
+            raise ValueError(f"assign_slice_grad: param of shape {tuple(param.shape)} is not "
+                             f"in bucket {self._id}")
+        self._sharding_param_grad_view[param].assign_slice_grad(slice_param)
+
+    @torch.no_grad()
+    def sync_params(self):
+        """REDUCE_SCATTER: all-gather every rank's shard of `param_storage` (in place)."""
+        self._require_reduce_scatter("sync_params")
+        full = self.param_storage
+        _all_gather(full, self._local_shard(full), self._comm_group)
+
+    def _require_reduce_scatter(self, what):
+        if self._act != HOOK_ACTION.REDUCE_SCATTER:
+            raise ValueError(f"{what} needs a REDUCE_SCATTER buffer; bucket {self._id} has "
+                             f"act={self._act}")
+
+
+def _check_args(params, acc_steps, act, dst, fuse_param, release_grads):
+    if not params:
+        raise ValueError("FusedCommBuffer needs at least one param; got an empty list "
+                         "(skip empty buckets)")
+    dtypes = sorted({str(p.dtype) for p in params})
+    if len(dtypes) > 1:
+        raise ValueError(f"a bucket holds one dtype, got {dtypes}; split it with "
+                         "assign_group_by_size")
+    if act not in (HOOK_ACTION.ALL_REDUCE, HOOK_ACTION.REDUCE, HOOK_ACTION.REDUCE_SCATTER):
+        raise ValueError("act must be HOOK_ACTION.ALL_REDUCE (data parallel), REDUCE "
+                         f"(sharding v1) or REDUCE_SCATTER (sharding v2); got {act!r}")
+    if act == HOOK_ACTION.REDUCE and dst == -1:
+        raise ValueError("act=REDUCE needs dst, the global rank that owns the bucket; got -1")
+    if act != HOOK_ACTION.REDUCE and dst != -1:
+        raise ValueError(f"dst={dst} is only meaningful with act=REDUCE; pass dst=-1")
+    if fuse_param and release_grads:
+        raise ValueError("fuse_param=True and release_grads=True cannot be used together "
+                         "(as in Paddle); turn one off")
+    if fuse_param and act == HOOK_ACTION.REDUCE_SCATTER:
+        raise ValueError("fuse_param is not supported with REDUCE_SCATTER (as in Paddle)")
+    if acc_steps < 1:
+        raise ValueError(f"acc_steps must be >= 1, got {acc_steps}")
+
+
+# torch 2.13 renamed these collectives; fall back to the old names for older torch.
+def _reduce_scatter(output, input, group):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=True)
+
+
+def _all_gather(output, input, group):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=group)

@@ -1,0 +1,392 @@
+"""Pipeline parallelism with 1F1B, fused grad comm overlap and `release_gradients` in torch.
+
+Mirrors `PipelineParallel` in `python/paddle/distributed/fleet/meta_parallel/pipeline_parallel.py`
+at commit 9b40c67f672f, with the seed diff's hunks (PR #59739), whose schedule descends from
+Megatron-LM's non-interleaved 1F1B.
+
+Each rank holds one contiguous stage of a list of layers. `train_batch` cuts the batch into
+`accumulate_steps` micro-batches and runs 1F1B: warm-up (stage s of p runs p-s-1 forwards),
+steady 1F1B (one forward, one backward, alternating), cool-down (the remaining backwards).
+Activations and their grads cross stages by point-to-point send/recv. With comm overlap, each
+stage's grads live in `FusedCommBuffer`s whose hooks fire each bucket's collective during the
+last micro-batch's backward (dp all-reduce, or sharding reduce / reduce-scatter); after the
+schedule every buffer is waited and scaled. `_optimizer_step` then steps and, with
+`release_gradients`, drops the grads and frees every buffer until the next step's first backward.
+Phases of a step: warm-up -> steady 1F1B -> cool-down -> wait and scale -> step -> release.
+
+Leaves out: the interleaved (virtual stage) schedule, shared weights, AMP scaler, timers.
+
+References: Paddle PRs #59739, #58441; Narayanan et al., "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM" (2021); Harlap et al., "PipeDream" (2018).
+"""
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from comm_buffer import (HOOK_ACTION, FusedCommBuffer, assign_group_by_size, bw_hook_func,
+                         global_rank)
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
+_META_LEN = 10  # dtype code, ndim, up to 8 dims
+
+
+def _grad(p):
+    main_grad = getattr(p, "main_grad", None)
+    return main_grad if main_grad is not None else p.grad
+
+
+def _clear_grad(optimizer, set_to_zero):
+    """Paddle's `optimizer.clear_grad(set_to_zero)`; a plain torch optimizer's `zero_grad`."""
+    if hasattr(optimizer, "clear_grad"):
+        optimizer.clear_grad(set_to_zero=set_to_zero)
+    else:
+        optimizer.zero_grad(set_to_none=not set_to_zero)
+
+
+class PipelineParallel(nn.Module):
+    """One pipeline stage of `layers`, trained with 1F1B (Paddle's `PipelineParallel`).
+
+    Args:
+        layers: list or nn.Sequential; an item is an nn.Module or a zero-argument callable that
+            builds one (Paddle's LayerDesc), called only on the stage that holds it.
+        hcg: the topology (`relgrad.HybridCommunicateGroup` or an object with its getters).
+        strategy: `relgrad.HybridStrategy`: degrees, accumulate_steps (micro-batches),
+            micro_batch_size and pp_configs.
+        loss_fn: `loss_fn(output, label) -> scalar`, mean over the micro-batch; last stage only.
+        seg_boundaries: stage s holds `layers[b[s]:b[s+1]]`; default an even split by count.
+    Raises ValueError for boundaries that do not cover the layers or an overlap config that
+    breaks Paddle's rules (dp_comm_overlap needs dp > 1 and pp > 1, sharding_comm_overlap
+    needs sharding > 1 and pp > 1, not both).
+    """
+
+    def __init__(self, layers, hcg, strategy, loss_fn, seg_boundaries=None):
+        super().__init__()
+        pp_configs = strategy.hybrid_configs["pp_configs"]
+        self._hcg, self._strategy, self._loss_fn = hcg, strategy, loss_fn
+        self.num_stages = hcg.get_pipe_parallel_world_size()
+        self.stage_id = hcg.get_stage_id()
+        self.accumulate_steps = strategy.accumulate_steps
+        self.micro_batch_size = strategy.micro_batch_size
+        self._dp_comm_overlap = pp_configs.dp_comm_overlap
+        self._sharding_comm_overlap = pp_configs.sharding_comm_overlap
+        self._delay_scale_loss = pp_configs.delay_scale_loss
+        # Seed hunk: read the new flag.
+        self._release_gradients = strategy.hybrid_configs["pp_configs"].release_gradients
+        self._sharding_split_param = strategy.hybrid_configs["sharding_configs"].split_param
+        self._check_overlap_config(hcg)
+        self._comm_overlap = self._dp_comm_overlap or self._sharding_comm_overlap
+
+        layers = list(layers)
+        bounds = seg_boundaries or [len(layers) * s // self.num_stages
+                                    for s in range(self.num_stages + 1)]
+        if (len(bounds) != self.num_stages + 1 or bounds[0] != 0 or bounds[-1] != len(layers)
+                or any(a > b for a, b in zip(bounds, bounds[1:]))):
+            raise ValueError(f"seg_boundaries must rise from 0 to len(layers)={len(layers)} "
+                             f"in {self.num_stages + 1} entries; got {bounds}")
+        own = layers[bounds[self.stage_id] : bounds[self.stage_id + 1]]
+        self._layers = nn.Sequential(*[l if isinstance(l, nn.Module) else l() for l in own])
+
+        self._chunk_2_comm_buffers = defaultdict(list)
+        self._sharding_hooks_registered = False
+        self.optimizer = self.lr_scheduler = None
+        self.schedule_trace = []  # ("F" | "B", micro-batch) in the order run: for tests
+        if self._dp_comm_overlap:
+            self.fused_gradient(self._layers, hcg.get_data_parallel_group(),
+                                self.accumulate_steps, dp=True)
+
+    def _check_overlap_config(self, hcg):
+        pp, dp = self.num_stages, hcg.get_data_parallel_world_size()
+        sharding = hcg.get_sharding_parallel_world_size()
+        if self._dp_comm_overlap and self._sharding_comm_overlap:
+            raise ValueError("pp_configs.dp_comm_overlap and sharding_comm_overlap cannot both "
+                             "be on; turn one off")
+        if self._dp_comm_overlap and not (dp > 1 and pp > 1):
+            raise ValueError(f"pp_configs.dp_comm_overlap needs dp_degree > 1 and pp_degree > "
+                             f"1; got dp_degree={dp}, pp_degree={pp}; turn it off")
+        if self._sharding_comm_overlap and not (sharding > 1 and pp > 1):
+            raise ValueError(f"pp_configs.sharding_comm_overlap needs sharding_degree > 1 and "
+                             f"pp_degree > 1; got sharding_degree={sharding}, pp_degree={pp}; "
+                             "turn it off")
+
+    def forward(self, x):
+        return self._layers(x)
+
+    # ---- comm overlap: fused buffers whose hooks fire the collectives during backward ----
+
+    def fused_gradient(self, model, comm_group, acc_steps, dp, param2rank=None,
+                       group_size=128 * 1024 * 1024):
+        """Build `FusedCommBuffer`s for `model`'s trainable params and hook them to `add_grad`.
+
+        Action: ALL_REDUCE for dp; REDUCE to each param's owner (`param2rank`, sharding v1,
+        buckets grouped by owner); REDUCE_SCATTER with split_param (v2). Buckets go to
+        `_chunk_2_comm_buffers[chunk]` (one chunk per stage here: no virtual stages).
+        """
+        act = (HOOK_ACTION.ALL_REDUCE if dp else HOOK_ACTION.REDUCE_SCATTER
+               if self._sharding_split_param else HOOK_ACTION.REDUCE)
+        for chunk_idx, chunk in enumerate([model]):
+            params = [p for p in chunk.parameters() if p.requires_grad]
+            if not params:
+                continue  # Paddle returns from the whole loop here; we go on to the next chunk
+            var_groups = defaultdict(list)
+            for p in params:
+                var_groups[param2rank[p] if act == HOOK_ACTION.REDUCE else -1].append(p)
+            for dst, group_params in sorted(var_groups.items()):
+                dst = global_rank(comm_group, dst) if dst != -1 else -1
+                for idx, bucket in assign_group_by_size(group_params, group_size).items():
+                    # Seed hunk: the buffer gets release_grads from pp_configs.
+                    buffer = FusedCommBuffer(idx, bucket, comm_group, acc_steps, act, dst,
+                                             release_grads=self._release_gradients)
+                    self._chunk_2_comm_buffers[chunk_idx].append(buffer)
+                    for p in bucket:
+                        p.register_post_accumulate_grad_hook(bw_hook_func(buffer, p))
+
+    def register_sharding_comm_overlap_hook(self, optimizer):
+        """Build the sharding buffers; lazily, since v1's owner map lives in the optimizer."""
+        if self._sharding_hooks_registered:
+            return
+        param2rank = None
+        if not self._sharding_split_param:
+            param2rank = getattr(optimizer, "_param2rank", None)
+            if param2rank is None:
+                raise ValueError("sharding_comm_overlap without split_param needs a sharding v1 "
+                                 "optimizer (DygraphShardingOptimizer), which owns _param2rank")
+        self.fused_gradient(self._layers, self._hcg.get_sharding_parallel_group(),
+                            self.accumulate_steps, dp=False, param2rank=param2rank)
+        self._sharding_hooks_registered = True
+
+    # ---- one training step ----
+
+    def train_batch(self, data, optimizer, lr_scheduler=None):
+        """Run 1F1B over `data = (inputs, labels)` (batch dim 0), then `_optimizer_step`.
+
+        Every rank of the pipe passes the same batch; stage 0 reads the inputs, the last
+        stage the labels. Returns the loss averaged over micro-batches (0-d fp32 tensor), the
+        same on every rank of this pipe. Raises ValueError if the batch does not split into
+        `accumulate_steps` micro-batches (of `micro_batch_size`, if set).
+        """
+        self._prepare_training(optimizer, lr_scheduler)
+        self.train()
+        loss = self.forward_backward_pipeline(data)
+        self._optimizer_step()
+        return loss
+
+    def _prepare_training(self, optimizer, lr_scheduler):
+        sharding = self._hcg.get_sharding_parallel_world_size()
+        if sharding > 1 and not hasattr(optimizer, "reduce_gradients"):
+            raise ValueError(f"sharding_degree={sharding} needs a sharding optimizer "
+                             "(sharding.DygraphShardingOptimizer or ...V2); got "
+                             f"{type(optimizer).__name__}")
+        if self._sharding_split_param != hasattr(optimizer, "_slice_params") and sharding > 1:
+            raise ValueError("sharding_configs.split_param must match the optimizer: True with "
+                             "DygraphShardingOptimizerV2, False with DygraphShardingOptimizer")
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        if self._sharding_comm_overlap:
+            self.register_sharding_comm_overlap_hook(optimizer)
+
+    def forward_backward_pipeline(self, data):
+        """The 1F1B schedule; grads end up reduced and scaled when comm overlap is on."""
+        inputs, labels = self._micro_batches(data)
+        acc, self.schedule_trace = self.accumulate_steps, []
+        self._meta_sent = self._meta_recv = None
+        self._total_loss = torch.zeros((), device=self._device())
+        startup_steps = min(self.num_stages - self.stage_id - 1, acc)
+        steady_steps = acc - startup_steps
+        queue = []  # (input, output) of micro-batches whose backward is pending
+        fwd = bwd = 0
+
+        # warm-up: forwards only
+        for _ in range(startup_steps):
+            x = self._recv_forward(inputs[fwd])
+            out = self._forward_step(x, labels[fwd], fwd)
+            self._send_forward(out)
+            queue.append((x, out))
+            fwd += 1
+        if steady_steps > 0:
+            x = self._recv_forward(inputs[fwd])
+
+        # steady 1F1B: one forward, then the backward of the oldest pending micro-batch
+        for i in range(steady_steps):
+            out = self._forward_step(x, labels[fwd], fwd)
+            out_grad = self._p2p(send_next=self._if_not_last(out), recv_next=out)
+            queue.append((x, out))
+            fwd += 1
+            x_done, out_done = queue.pop(0)
+            in_grad = self._backward_step(x_done, out_done, out_grad, bwd)
+            bwd += 1
+            if i == steady_steps - 1:
+                self._p2p(send_prev=in_grad)
+            else:
+                x = self._p2p(send_prev=in_grad, recv_prev=True, fallback=inputs[fwd])
+
+        # cool-down: the remaining backwards
+        for _ in range(startup_steps):
+            x_done, out_done = queue.pop(0)
+            out_grad = self._p2p(recv_next=out_done)
+            self._p2p(send_prev=self._backward_step(x_done, out_done, out_grad, bwd))
+            bwd += 1
+
+        # wait and scale: the collectives were issued by the hooks of the last backward
+        if self._comm_overlap:
+            for buffers in self._chunk_2_comm_buffers.values():
+                for buffer in buffers:
+                    buffer.scale_grads()
+        if self._needs_dp_sync():
+            self._dp_sync_grads()
+        return self._broadcast_final_loss()
+
+    def eval_batch(self, data, compute_loss=True):
+        """Forward only over the micro-batches; returns the mean loss (or, if `compute_loss`
+        is False, the last stage's outputs concatenated, None on other stages)."""
+        inputs, labels = self._micro_batches(data)
+        self.eval()
+        self._meta_sent = self._meta_recv = None
+        self._total_loss = torch.zeros((), device=self._device())
+        outputs = []
+        with torch.no_grad():
+            for k in range(self.accumulate_steps):
+                x = self._recv_forward(inputs[k])
+                out = self._layers(x)
+                if self.stage_id == self.num_stages - 1:
+                    if compute_loss:
+                        self._total_loss += self._loss_fn(out, labels[k]).float()
+                    outputs.append(out)
+                else:
+                    self._send_forward(out)
+        if not compute_loss:
+            return torch.cat(outputs) if outputs else None
+        self._total_loss /= self.accumulate_steps
+        return self._broadcast_final_loss(scaled=True)
+
+    def _micro_batches(self, data):
+        inputs, labels = data
+        batch, acc = inputs.shape[0], self.accumulate_steps
+        if batch % acc or (self.micro_batch_size and batch != self.micro_batch_size * acc):
+            raise ValueError(f"a batch of {batch} samples does not split into accumulate_steps="
+                             f"{acc} micro-batches of micro_batch_size="
+                             f"{self.micro_batch_size or 'batch/acc'}; pass "
+                             f"micro_batch_size * accumulate_steps samples")
+        return inputs.chunk(acc), labels.chunk(acc)
+
+    def _forward_step(self, x, label, k):
+        self.schedule_trace.append(("F", k))
+        out = self._layers(x)
+        if self.stage_id != self.num_stages - 1:
+            return out
+        loss = self._loss_fn(out, label).float()
+        if not self._delay_scale_loss:
+            loss = loss / self.accumulate_steps  # the one 1/acc scaling of the loss
+        self._total_loss += loss.detach()
+        return loss
+
+    def _backward_step(self, x, out, out_grad, k):
+        self.schedule_trace.append(("B", k))
+        torch.autograd.backward(out, grad_tensors=out_grad)
+        return x.grad if x.requires_grad else None
+
+    def _broadcast_final_loss(self, scaled=False):
+        loss = self._total_loss
+        if self._delay_scale_loss and not scaled:
+            loss = loss / self.accumulate_steps
+        last = self._hcg.get_rank_from_stage(self.num_stages - 1)
+        dist.broadcast(loss, src=last, group=self._hcg.get_pipe_parallel_group())
+        return loss
+
+    def _needs_dp_sync(self):
+        # HybridParallelOptimizer's dp all-reduce when nothing else does it: no overlap and no
+        # sharding optimizer (which does its own, after the sharding reduce).
+        return (self._hcg.get_data_parallel_world_size() > 1 and not self._dp_comm_overlap
+                and self._hcg.get_sharding_parallel_world_size() == 1)
+
+    @torch.no_grad()
+    def _dp_sync_grads(self):
+        group, n = self._hcg.get_data_parallel_group(), self._hcg.get_data_parallel_world_size()
+        grads = [_grad(p) for p in self._layers.parameters() if _grad(p) is not None]
+        for work in [dist.all_reduce(g, group=group, async_op=True) for g in grads]:
+            work.wait()
+        for g in grads:
+            g.mul_(1.0 / n)
+
+    @torch.no_grad()
+    def _optimizer_step(self):
+        """Step, then release (seed hunk) or zero the grads, then the LR scheduler."""
+        if self._delay_scale_loss:
+            # In place: Paddle rebinds `grad = grad.scale(1/acc)`, which detaches the grad from
+            # its buffer (and, for v2, never reaches the slice grads the optimizer reads).
+            for p in self._layers.parameters():
+                if _grad(p) is not None:
+                    _grad(p).mul_(1.0 / self.accumulate_steps)
+        self.optimizer.step()
+        if self._release_gradients:
+            _clear_grad(self.optimizer, set_to_zero=False)
+            for _, buffers in self._chunk_2_comm_buffers.items():
+                for buffer in buffers:
+                    buffer._clear_grad_storage()
+        else:
+            _clear_grad(self.optimizer, set_to_zero=True)
+        if self.lr_scheduler:
+            self.lr_scheduler.step()
+
+    # ---- point-to-point between neighbouring stages ----
+
+    def _device(self):
+        p = next(self._layers.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def _if_not_last(self, out):
+        return None if self.stage_id == self.num_stages - 1 else out
+
+    def _recv_forward(self, first_stage_input):
+        return self._p2p(recv_prev=True, fallback=first_stage_input)
+
+    def _send_forward(self, out):
+        self._p2p(send_next=self._if_not_last(out))
+
+    def _p2p(self, send_next=None, send_prev=None, recv_next=None, recv_prev=False,
+             fallback=None):
+        """Batched isend/irecv with the neighbours; returns what was received, if anything.
+
+        `recv_next` is this stage's output, whose grad comes back from the next stage (same
+        shape); `recv_prev` receives the next activation (shape from the first message's meta);
+        on stage 0 it returns `fallback`, the micro-batch input. Works on gloo and nccl.
+        """
+        first, last = self.stage_id == 0, self.stage_id == self.num_stages - 1
+        prev = None if first else self._hcg.get_rank_from_stage(self.stage_id - 1)
+        nxt = None if last else self._hcg.get_rank_from_stage(self.stage_id + 1)
+        group = self._hcg.get_pipe_parallel_group()
+        ops, got_prev, got_next = [], None, None
+        if send_next is not None:
+            if self._meta_sent is None:  # shape and dtype of activations, once per batch
+                dist.send(self._meta(send_next), dst=nxt, group=group)
+                self._meta_sent = True
+            ops.append(dist.P2POp(dist.isend, send_next.detach().contiguous(), nxt, group))
+        if send_prev is not None and not first:
+            ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), prev, group))
+        if recv_prev and not first:
+            if self._meta_recv is None:
+                meta = torch.zeros(_META_LEN, dtype=torch.long, device=self._device())
+                dist.recv(meta, src=prev, group=group)
+                code, ndim = int(meta[0]), int(meta[1])
+                self._meta_recv = (_DTYPES[code], [int(d) for d in meta[2 : 2 + ndim]])
+            dtype, shape = self._meta_recv
+            got_prev = torch.empty(shape, dtype=dtype, device=self._device())
+            ops.append(dist.P2POp(dist.irecv, got_prev, prev, group))
+        if recv_next is not None and not last:
+            got_next = torch.empty_like(recv_next)
+            ops.append(dist.P2POp(dist.irecv, got_next, nxt, group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        if recv_prev and first:
+            return fallback
+        if got_prev is not None:
+            return got_prev.requires_grad_(got_prev.is_floating_point())
+        return got_next
+
+    def _meta(self, t):
+        if t.dim() > _META_LEN - 2 or t.dtype not in _DTYPES:
+            raise ValueError(f"stage outputs must be float tensors of at most {_META_LEN - 2} "
+                             f"dims; got {t.dtype} with shape {tuple(t.shape)}")
+        dims = list(t.shape) + [0] * (_META_LEN - 2 - t.dim())
+        return torch.tensor([_DTYPES.index(t.dtype), t.dim()] + dims, device=t.device)

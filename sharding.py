@@ -1,0 +1,359 @@
+"""ZeRO-1 sharding optimizers with `release_gradients`: Paddle's DygraphShardingOptimizer v1 / v2.
+
+Mirrors `DygraphShardingOptimizer` (v1) and `DygraphShardingOptimizerV2` (v2, `split_param`) in
+`python/paddle/distributed/fleet/meta_optimizers/dygraph_optimizer/dygraph_sharding_optimizer.py`
+at commit 9b40c67f672f, with the seed diff's hunks (PR #59739).
+
+Both split the optimizer state over the sharding group (ZeRO stage 1): every rank keeps the full
+params and computes full grads on its own data. v1 gives each *whole* param to one owner rank
+(greedy, largest first): grads are reduced to the owner, the owner steps, and every param is
+broadcast from its owner. v2 lays each bucket's params into one *flat padded buffer* and gives
+each rank a contiguous shard of it: grads are reduce-scattered in place, each rank steps 1-D
+slice params over its shard, and the param buffer is all-gathered back. With release the grad
+buffers (v2's own, or the pipeline's) live from the first grad of a step to `clear_grad`.
+Phases of `step()`: reduce -> dp all-reduce (dp > 1) -> step owned params / slices ->
+broadcast / all-gather.
+
+Leaves out: grad clipping, v1's own tensor fusion (`comm_overlap`), offload, color sharding.
+
+References: Paddle PRs #59739, #58462, #58621, #64517 (sharding-side release flag);
+Rajbhandari et al., "ZeRO" (2020); torch's ZeroRedundancyOptimizer.
+"""
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from comm_buffer import HOOK_ACTION, FusedCommBuffer, assign_group_by_size, global_rank
+
+
+def _grad(p):
+    main_grad = getattr(p, "main_grad", None)
+    return main_grad if main_grad is not None else p.grad
+
+
+def _clear(p, set_to_zero):
+    """Zero `p`'s main_grad / grad in place, or drop them (Paddle's clear_grad_func)."""
+    for name in ("main_grad", "grad"):
+        g = getattr(p, name, None)
+        if g is not None:
+            if set_to_zero:
+                g.zero_()
+            else:
+                setattr(p, name, None)
+
+
+class _Wrapper(torch.optim.Optimizer):
+    """Common torch face of the wrappers: `param_groups` and `state` are the inner optimizer's
+    (so torch LR schedulers work), `zero_grad(set_to_none)` is `clear_grad(not set_to_none)`,
+    `state_dict()` is this rank's state."""
+
+    def _expose(self, inner):
+        torch.optim.Optimizer.__init__(self, inner.param_groups, inner.defaults)
+        self.param_groups, self.state = inner.param_groups, inner.state
+
+    def zero_grad(self, set_to_none=True):
+        self.clear_grad(set_to_zero=not set_to_none)
+
+    def state_dict(self):
+        return self._inner_opt.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self._inner_opt.load_state_dict(state_dict)
+
+
+class MixPrecisionOptimizer(_Wrapper):
+    """Step `optimizer`'s class and hyper-parameters on fp32 masters, reading `main_grad`.
+
+    Mirrors Paddle's `MixPrecisionOptimizer` (mix_precision_utils.py) plus the fp32 master
+    weights that Paddle's `multi_precision` optimizers keep; torch optimizers have none. Each
+    *target* (a model param, or a v2 slice param) of dtype other than fp32 gets an fp32 master;
+    `step()` feeds it `main_grad` (fp32) or the grad, steps, copies the master back into the
+    target and drops the master's grad, so no reference outlives the step (a released buffer
+    must be freeable). fp32 targets are stepped directly: for them this is a pass-through.
+
+    Args:
+        optimizer: a torch optimizer; used as a template (class, groups, hyper-parameters).
+        params: one list of targets per param group of `optimizer`; default its own params.
+            Targets may be empty placeholders filled later (v2 slices); masters follow them.
+    """
+
+    def __init__(self, optimizer, params=None):
+        if params is None:
+            params = [g["params"] for g in optimizer.param_groups]
+        self._targets = [t for group in params for t in group]
+        self._masters = {t: t.detach().float() for t in self._targets
+                         if t.dtype != torch.float32}
+        groups = []
+        for group, targets in zip(optimizer.param_groups, params):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**hyper, "params": [self._masters.get(t, t) for t in targets]})
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        self._inner_opt = type(optimizer)(groups, **kwargs)  # AdamW's defaults hold extra keys
+        self._expose(self._inner_opt)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("closure is not supported by the sharding wrappers; call the "
+                             "model yourself and then step()")
+        bound = []
+        for t in self._targets:
+            main_grad, master = getattr(t, "main_grad", None), self._masters.get(t)
+            if master is not None:
+                if master.shape != t.shape:  # a v2 slice was filled after construction
+                    master.data = t.detach().float()
+                grad = _grad(t)
+                master.grad = None if grad is None else grad.float()  # no copy for fp32
+                bound.append(master)
+            elif main_grad is not None:  # fp32 param with an fp32 main_grad
+                t.grad = main_grad
+                bound.append(t)
+        self._inner_opt.step()
+        for t, master in self._masters.items():
+            if master.grad is not None:
+                t.copy_(master)
+        for p in bound:
+            p.grad = None
+
+    @torch.no_grad()
+    def clear_grad(self, set_to_zero=True):
+        """Zero every target's main_grad / grad in place, or drop them (Paddle's clear_grad)."""
+        for t in self._targets:
+            _clear(t, set_to_zero)
+
+    def state_dict(self):
+        return {"inner": self._inner_opt.state_dict(),
+                "masters": [m.clone() for m in self._masters.values()]}
+
+    def load_state_dict(self, state_dict):
+        self._inner_opt.load_state_dict(state_dict["inner"])
+        for m, saved in zip(self._masters.values(), state_dict["masters"]):
+            m.data = saved.clone()
+
+
+class _Sharding(_Wrapper):
+    """What v1 and v2 share: flags, groups, the dp all-reduce and `zero_grad`."""
+
+    def _setup(self, optimizer, hcg, strategy):
+        pp_config = strategy.hybrid_configs["pp_configs"]
+        sharding_config = strategy.hybrid_configs["sharding_configs"]
+        if sharding_config.comm_overlap:
+            raise ValueError("sharding_configs.comm_overlap (sharding's own tensor fusion) is "
+                             "not implemented here; use pp_configs.sharding_comm_overlap")
+        self._hcg = hcg
+        self._group = hcg.get_sharding_parallel_group()
+        self._nranks = hcg.get_sharding_parallel_world_size()
+        self._rank = hcg.get_sharding_parallel_rank()
+        self._parameter_list = [p for g in optimizer.param_groups for p in g["params"]]
+        # Setting pipeline parallelism overlap (grads then arrive reduced by the pipeline).
+        self.pp_overlap = pp_config.sharding_comm_overlap
+        # Seed hunk: `self.pp_release_grads = pp_config.release_gradients`. [later, PR #64517]
+        # Paddle ORs a sharding-side `release_gradients` flag into it.
+        self.pp_release_grads = (pp_config.release_gradients
+                                 or sharding_config.release_gradients)
+        # HybridParallelOptimizer's dp all-reduce, unless the pipeline already overlapped it.
+        self._dp_sync = (hcg.get_data_parallel_world_size() > 1
+                         and not pp_config.dp_comm_overlap)
+
+    def _dp_all_reduce(self, grads):
+        """All-reduce and average `grads` (1-D or full tensors) over the data-parallel group."""
+        group, n = self._hcg.get_data_parallel_group(), self._hcg.get_data_parallel_world_size()
+        for work in [dist.all_reduce(g, group=group, async_op=True) for g in grads]:
+            work.wait()
+        for g in grads:
+            g.mul_(1.0 / n)
+
+
+class DygraphShardingOptimizer(_Sharding):
+    """Sharding v1: whole params, greedy owners, reduce -> step owned -> broadcast.
+
+    Args:
+        optimizer: a torch optimizer over the model (or this pipeline stage); used as a template.
+        hcg: the topology (`relgrad.HybridCommunicateGroup` or any object with its getters).
+        strategy: the hybrid strategy (`relgrad.HybridStrategy`); Paddle reads it from fleet.
+    `_param2rank` maps each param (by identity; Paddle: by name) to its owner's sharding rank.
+    Raises ValueError for a param with no elements or an unsupported config.
+    """
+
+    def __init__(self, optimizer, hcg, strategy):
+        self._setup(optimizer, hcg, strategy)
+        self._release_grads = self.pp_release_grads  # no v1 hunk: used by clear_grad's check
+        self._param2rank = self._partition_parameters()
+        owned = [[p for p in g["params"] if self._param2rank[p] == self._rank]
+                 for g in optimizer.param_groups]
+        self._inner_opt = MixPrecisionOptimizer(optimizer, owned)
+        self._expose(self._inner_opt)
+
+    def _partition_parameters(self):
+        """Largest first, each to the rank with the fewest elements so far (ties: lowest)."""
+        sizes, param2rank = [0] * self._nranks, {}
+        for p in sorted(self._parameter_list, key=lambda p: -p.numel()):
+            if p.numel() == 0:
+                raise ValueError(f"a param of shape {tuple(p.shape)} has no elements; "
+                                 "leave it out of the optimizer")
+            rank = sizes.index(min(sizes))
+            param2rank[p] = rank
+            sizes[rank] += p.numel()
+        return param2rank
+
+    @torch.no_grad()
+    def reduce_gradients(self, parameter_list, hcg):
+        """Reduce each grad (scaled by 1/nranks) to its owner over the sharding group.
+
+        Does nothing when the pipeline's sharding_comm_overlap has already reduced the grads.
+        Paddle's develop v1 at the seed commit lacks this guard and would reduce twice; the
+        incubate/new_frl branch returns early here, as we do.
+        """
+        if self.pp_overlap:
+            return
+        works = []
+        for p in parameter_list:
+            g = _grad(p)
+            if g is not None:
+                g.mul_(1.0 / self._nranks)
+                dst = global_rank(self._group, self._param2rank[p])
+                works.append(dist.reduce(g, dst=dst, group=self._group, async_op=True))
+        for work in works:
+            work.wait()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.reduce_gradients(self._parameter_list, self._hcg)
+        owned = [p for p in self._parameter_list if self._param2rank[p] == self._rank]
+        if self._dp_sync:
+            self._dp_all_reduce([_grad(p) for p in owned if _grad(p) is not None])
+        self._inner_opt.step(closure)
+        # _sharding_sync_parameters: every param from its owner
+        works = [dist.broadcast(p.detach(), src=global_rank(self._group, self._param2rank[p]),
+                                group=self._group, async_op=True)
+                 for p in self._parameter_list]
+        for work in works:
+            work.wait()
+
+    @torch.no_grad()
+    def clear_grad(self, set_to_zero=True):
+        """Zero every grad / main_grad in place, or drop them (`set_to_zero=False`).
+
+        Beyond Paddle's v1: while the pipeline's fused buffers hold the grads (sharding comm
+        overlap) and release is off, dropping them would detach them from the buffer, so
+        `set_to_zero=False` raises ValueError as v2 does.
+        """
+        if not set_to_zero and self.pp_overlap and not self._release_grads:
+            raise ValueError(_ERASE_MSG)
+        for p in self._parameter_list:
+            _clear(p, set_to_zero)
+
+
+_ERASE_MSG = ("should not erase grad buffer: with release_gradients off the grads are views of "
+              "a fused buffer that must persist, so clear_grad(set_to_zero=False) / "
+              "zero_grad(set_to_none=True) is not allowed. Use zero_grad(set_to_none=False), "
+              "or turn pp_configs.release_gradients on.")
+
+
+class DygraphShardingOptimizerV2(_Sharding):
+    """Sharding v2 (split_param): flat shards, reduce-scatter -> step slices -> all-gather.
+
+    Same args as v1. Each model param becomes a view of a flat padded param buffer; the inner
+    optimizer steps `_slice_params[param]`, a 1-D view of this rank's piece of it (empty until
+    the first step). The REDUCE_SCATTER buffers are its own (`_build_comm_buffers`) or, with
+    pp_configs.sharding_comm_overlap, the pipeline's (found through `param.comm_buffer_ref`).
+    Raises ValueError for `clear_grad(set_to_zero=False)` with release off, RuntimeError if
+    `step()` finds no buffers.
+    """
+
+    def __init__(self, optimizer, hcg, strategy):
+        self._setup(optimizer, hcg, strategy)
+        self._slice_params = {p: torch.nn.Parameter(p.new_empty(0), p.requires_grad)
+                              for p in self._parameter_list}
+        slices = [[self._slice_params[p] for p in g["params"]] for g in optimizer.param_groups]
+        self._inner_opt = MixPrecisionOptimizer(optimizer, slices)
+        self._expose(self._inner_opt)
+        self._comm_buffer_list = []
+        acc_steps = strategy.hybrid_configs["sharding_configs"].accumulate_steps
+        self._build_comm_buffers(acc_steps)
+
+    def _build_comm_buffers(self, acc_steps, group_size=256 * 1024 * 1024):
+        if self.pp_overlap:
+            return  # the pipeline builds and fills the buffers
+        params = [p for p in self._parameter_list if p.requires_grad]
+        for idx, bucket in assign_group_by_size(params, group_size).items():
+            buffer = FusedCommBuffer(idx, bucket, self._group, acc_steps,
+                                     act=HOOK_ACTION.REDUCE_SCATTER,
+                                     release_grads=self.pp_release_grads)
+            self._comm_buffer_list.append(buffer)
+
+    @torch.no_grad()
+    def clear_grad(self, set_to_zero=True):
+        """Zero or drop every grad; then, with release and no pipeline overlap, free buffers.
+
+        With release off, `set_to_zero=False` raises ValueError ("should not erase grad
+        buffer"). With release on, slice params' grads are dropped too: Paddle's
+        `_clear_dataptr` on `_slice_grad` frees them; in torch a stale view would keep the
+        freed buffer alive.
+        """
+        if not self.pp_release_grads and not set_to_zero:
+            raise ValueError(_ERASE_MSG)
+        for p in self._parameter_list:
+            _clear(p, set_to_zero)
+        if self.pp_release_grads:
+            for slice_param in self._slice_params.values():
+                _clear(slice_param, set_to_zero=False)
+        if self.pp_release_grads and not self.pp_overlap:
+            for comm_buffer in self._comm_buffer_list:
+                comm_buffer._clear_grad_storage()
+
+    def _collect_comm_buffers(self):
+        if self._comm_buffer_list:
+            return
+        for p in self._parameter_list:
+            ref = getattr(p, "comm_buffer_ref", None)
+            if ref is not None:
+                del p.comm_buffer_ref
+                if ref() is not None:
+                    self._comm_buffer_list.append(ref())
+        if not self._comm_buffer_list:
+            raise RuntimeError("sharding v2 found no REDUCE_SCATTER buffers: with "
+                               "pp_configs.sharding_comm_overlap the pipeline builds them in "
+                               "its first train_batch; step() must run inside train_batch")
+
+    @torch.no_grad()
+    def reduce_gradients(self, parameter_list, hcg):
+        """Reduce-scatter every buffer and scale by 1/nranks (no-op under pipeline overlap).
+
+        Seed hunk: with release, a buffer that is still absent (no hook has checked grads in:
+        the non-overlap path) first gets every param's grad copied in.
+        """
+        if self.pp_overlap:
+            return  # the pipeline's hooks reduce-scattered and scaled them
+        for comm_buffer in self._comm_buffer_list:
+            if self.pp_release_grads and comm_buffer.grad_storage is None:
+                for param in comm_buffer.params:
+                    comm_buffer._copy_grad_to_buffer(param)
+            comm_buffer._comm_grads()
+            comm_buffer.scale_grads()
+
+    def _assign_slice_grad(self):
+        for comm_buffer in self._comm_buffer_list:
+            for param in comm_buffer.params:
+                slice_param = self._slice_params[param]
+                if self.pp_release_grads:
+                    # Seed hunk: Paddle asserts the stale main_grad is uninitialized and deletes
+                    # it; in torch it would still hold last step's buffer, so drop it outright.
+                    if hasattr(slice_param, "main_grad"):
+                        del slice_param.main_grad
+                    slice_param.grad = None
+                comm_buffer.assign_slice_grad(param, slice_param)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._collect_comm_buffers()
+        self.reduce_gradients(self._parameter_list, self._hcg)
+        self._assign_slice_grad()
+        if self._dp_sync:
+            grads = [_grad(s) for s in self._slice_params.values()]
+            self._dp_all_reduce([g for g in grads if g is not None])
+        self._inner_opt.step(closure)
+        for comm_buffer in self._comm_buffer_list:  # _sharding_sync_parameters
+            comm_buffer.sync_params()
