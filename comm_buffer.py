@@ -190,7 +190,7 @@ class ShardingGradView:
             assert current.data_ptr() == self._slice_grad.data_ptr(), "stale slice grad"
 
     def _reset_grad_buffer(self):
-        """Drop this view's references to the grad buffer (Paddle frees them with _clear_dataptr)."""
+        """Drop this view's grad buffer references (Paddle frees them with _clear_dataptr)."""
         self._slice_grad = None
         self._grad_buffer = None
 
