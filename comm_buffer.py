@@ -64,13 +64,14 @@ def assign_group_by_size(params, group_size=128 * 1024 * 1024):
 
 
 def bw_hook_func(buffer, param):
-    """Hook for `param.register_post_accumulate_grad_hook`: check `param` in to `buffer`.
+    """Hook for `param.register_post_accumulate_grad_hook`: check the param in to `buffer`.
 
     Paddle registers it with `param._register_backward_hook`, which, like torch's post-accumulate
     hook, runs after this micro-batch's grad has been accumulated into `param.grad`. Differs from
-    Paddle: the hook holds the buffer weakly and takes the param from its argument, because a
-    reference cycle through a tensor's hooks is never collected in torch (the params, their
-    optimizer state and buffers would outlive the model). Keep the buffer alive while training.
+    Paddle: the hook holds the buffer weakly and takes the param from torch's call rather than
+    from `param` (kept for Paddle's signature), because a reference cycle through a tensor's
+    hooks is never collected in torch (the params, their optimizer state and buffers would
+    outlive the model). Keep the buffer alive while training; a dead one raises RuntimeError.
     """
     buffer_ref = weakref.ref(buffer)
 
@@ -186,7 +187,7 @@ class ShardingGradView:
             current = slice_param.grad
         if current is None:
             _set_grad(slice_param, self._use_main_grad, self._slice_grad)
-        else:  # Paddle asserts the same: a stale slice grad must not survive into a new step
+        else:  # as Paddle asserts: a bound slice grad is already this step's `_slice_grad`
             assert current.data_ptr() == self._slice_grad.data_ptr(), "stale slice grad"
 
     def _reset_grad_buffer(self):
@@ -311,6 +312,7 @@ class FusedCommBuffer:
 
     @property
     def params(self):
+        """The bucket's params, in buffer order."""
         return self._params
 
     def _name(self, param):
@@ -378,10 +380,10 @@ class FusedCommBuffer:
         ShardingGradView's slice and buffer) and also, beyond Paddle, every bucket param's grad /
         main_grad that still aliases the storage: a stale view would keep the memory and feed
         last step's values into the next step. Views held elsewhere (v2 slice params, fp32
-        master grads) are their owners' to drop. Any partial check-ins of the step are dropped.
-        Unlike Paddle, which raises, a call with nothing allocated is a no-op, so that
+        master grads) are their owners' to drop. Also beyond Paddle: the step's check-ins are
+        reset with the buffer, a call while a collective is still in flight raises
+        RuntimeError, and a call with nothing allocated is a no-op (Paddle raises), so that
         `zero_grad()` can be called at any point of a loop, as torch users do.
-        Raises RuntimeError while a collective on the buffer is still in flight.
         """
         if self._task is not None:
             raise RuntimeError(f"bucket {self._id}: a collective on the grad buffer is in "

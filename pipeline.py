@@ -14,7 +14,8 @@ schedule every buffer is waited and scaled. `_optimizer_step` then steps and, wi
 `release_gradients`, drops the grads and frees every buffer until the next step's first backward.
 Phases of a step: warm-up -> steady 1F1B -> cool-down -> wait and scale -> step -> release.
 
-Leaves out: the interleaved (virtual stage) schedule, shared weights, AMP scaler, timers.
+Leaves out: the interleaved (virtual stage) schedule, shared weights, AMP scaler, timers,
+freeing sent activations early (Paddle's `_release_output`).
 
 References: Paddle PRs #59739, #58441; Narayanan et al., "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM" (2021); Harlap et al., "PipeDream" (2018).
@@ -132,7 +133,7 @@ class PipelineParallel(nn.Module):
             var_groups = defaultdict(list)
             for p in params:
                 var_groups[param2rank[p] if act == HOOK_ACTION.REDUCE else -1].append(p)
-            for dst, group_params in sorted(var_groups.items()):
+            for dst, group_params in var_groups.items():  # owners in order of appearance
                 dst = global_rank(comm_group, dst) if dst != -1 else -1
                 for idx, bucket in assign_group_by_size(group_params, group_size).items():
                     # Seed hunk: the buffer gets release_grads from pp_configs.
@@ -232,8 +233,6 @@ class PipelineParallel(nn.Module):
             for buffers in self._chunk_2_comm_buffers.values():
                 for buffer in buffers:
                     buffer.scale_grads()
-        if self._needs_dp_sync():
-            self._dp_sync_grads()
         return self._broadcast_final_loss()
 
     def eval_batch(self, data, compute_loss=True):
@@ -282,7 +281,8 @@ class PipelineParallel(nn.Module):
 
     def _backward_step(self, x, out, out_grad, k):
         self.schedule_trace.append(("B", k))
-        torch.autograd.backward(out, grad_tensors=out_grad)
+        if out.requires_grad:  # not on a first stage without params
+            torch.autograd.backward(out, grad_tensors=out_grad)
         return x.grad if x.requires_grad else None
 
     def _broadcast_final_loss(self, scaled=False):
@@ -317,6 +317,8 @@ class PipelineParallel(nn.Module):
             for p in self._layers.parameters():
                 if _grad(p) is not None:
                     _grad(p).mul_(1.0 / self.accumulate_steps)
+        if self._needs_dp_sync():  # HybridParallelOptimizer.step's dp all-reduce
+            self._dp_sync_grads()
         self.optimizer.step()
         if self._release_gradients:
             _clear_grad(self.optimizer, set_to_zero=False)

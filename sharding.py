@@ -187,7 +187,11 @@ class DygraphShardingOptimizer(_Sharding):
         self._expose(self._inner_opt)
 
     def _partition_parameters(self):
-        """Largest first, each to the rank with the fewest elements so far (ties: lowest)."""
+        """Largest first, each to the rank with the fewest elements so far (ties: lowest).
+
+        Sorting by size is develop's `FLAGS_sharding_sort_parameters` (default on); whether the
+        seed commit sorted already is uncertain.
+        """
         sizes, param2rank = [0] * self._nranks, {}
         for p in sorted(self._parameter_list, key=lambda p: -p.numel()):
             if p.numel() == 0:
@@ -203,8 +207,9 @@ class DygraphShardingOptimizer(_Sharding):
         """Reduce each grad (scaled by 1/nranks) to its owner over the sharding group.
 
         Does nothing when the pipeline's sharding_comm_overlap has already reduced the grads.
-        Paddle's develop v1 at the seed commit lacks this guard and would reduce twice; the
-        incubate/new_frl branch returns early here, as we do.
+        Paddle's v1 has no such guard at the seed commit (the incubate/new_frl branch returns
+        early, as we do): there, fleet turns HybridParallelOptimizer's sharding sync off under
+        sharding_comm_overlap, so this is never called. Without that wrapper, the guard is here.
         """
         if self.pp_overlap:
             return
@@ -277,6 +282,7 @@ class DygraphShardingOptimizerV2(_Sharding):
     def _build_comm_buffers(self, acc_steps, group_size=256 * 1024 * 1024):
         if self.pp_overlap:
             return  # the pipeline builds and fills the buffers
+        # Differs from Paddle, which asserts every param is trainable: frozen params stay out.
         params = [p for p in self._parameter_list if p.requires_grad]
         for idx, bucket in assign_group_by_size(params, group_size).items():
             buffer = FusedCommBuffer(idx, bucket, self._group, acc_steps,
@@ -325,8 +331,8 @@ class DygraphShardingOptimizerV2(_Sharding):
         Seed hunk: with release, a buffer that is still absent (no hook has checked grads in:
         the non-overlap path) first gets every param's grad copied in.
         """
-        if self.pp_overlap:
-            return  # the pipeline's hooks reduce-scattered and scaled them
+        if self.pp_overlap:  # the pipeline's hooks reduce-scattered and scaled them
+            return  # (Paddle: HybridParallelOptimizer does not call this then; see v1)
         for comm_buffer in self._comm_buffer_list:
             if self.pp_release_grads and comm_buffer.grad_storage is None:
                 for param in comm_buffer.params:
@@ -341,6 +347,7 @@ class DygraphShardingOptimizerV2(_Sharding):
                 if self.pp_release_grads:
                     # Seed hunk: Paddle asserts the stale main_grad is uninitialized and deletes
                     # it; in torch it would still hold last step's buffer, so drop it outright.
+                    # Beyond Paddle, a stale .grad goes too (its assert would trip on it).
                     if hasattr(slice_param, "main_grad"):
                         del slice_param.main_grad
                     slice_param.grad = None
@@ -351,6 +358,8 @@ class DygraphShardingOptimizerV2(_Sharding):
         self._collect_comm_buffers()
         self.reduce_gradients(self._parameter_list, self._hcg)
         self._assign_slice_grad()
+        # Differs from Paddle, whose HybridParallelOptimizer all-reduces over dp before the
+        # slices are bound (so it misses them on the first step and after a release).
         if self._dp_sync:
             grads = [_grad(s) for s in self._slice_params.values()]
             self._dp_all_reduce([g for g in grads if g is not None])

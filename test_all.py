@@ -729,6 +729,7 @@ def _check_pipeline(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_
         part = _stage_slice(model, hcg)
         tol = dict(rtol=0, atol=2e-2) if main_grad else dict(rtol=1e-5, atol=1e-6)
         for loss, got, want_loss, want in zip(losses, traj, oracle_losses, oracle):
+            assert _same_on_all([loss], hcg.get_pipe_parallel_group())
             mean = loss.clone()
             dist.all_reduce(mean)
             torch.testing.assert_close(mean / dist.get_world_size(), want_loss, **tol)
@@ -759,6 +760,21 @@ def _pipeline_worker_4(rank, world):
     strategy = _strategy(dp=2, pp=2, acc=4, dp_comm_overlap=True)
     hcg = HybridCommunicateGroup(strategy)
     _check_pipeline(hcg, strategy, None)
+    _check_pipeline(hcg, _strategy(dp=2, pp=2, acc=4), None, steps=2)  # dp without overlap
+
+    # explicit boundaries; a first stage without params builds no buffer and still runs
+    torch.manual_seed(5)
+    layers = [nn.Tanh(), nn.Linear(6, 4)]
+    oracle = copy.deepcopy(nn.Sequential(*layers))
+    model = PipelineParallel(layers, hcg, strategy, _mse, seg_boundaries=[0, 1, 2])
+    assert list(model._layers) == [layers[hcg.get_stage_id()]]
+    assert bool(model._chunk_2_comm_buffers) == (hcg.get_stage_id() == 1)
+    x, y = _data(0, 16, 6, 4)
+    model.forward_backward_pipeline(tuple(t.chunk(2)[hcg.get_data_parallel_rank()]
+                                          for t in (x, y)))
+    _mse(oracle(x), y).backward()
+    for got, want in zip(model.parameters(), oracle[1].parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-7)
     return "ok"
 
 
