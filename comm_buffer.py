@@ -41,6 +41,23 @@ def global_rank(group, group_rank):
     return dist.get_global_rank(group, group_rank)
 
 
+def main_grad_or_grad(param):
+    """The grad an optimizer reads: `param.main_grad` when set (fp32), else `param.grad`."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+@torch.no_grad()
+def all_reduce_mean(grads, group):
+    """All-reduce `grads` (any shapes) over `group` and divide by its size, in place: the dp
+    sync of Paddle's HybridParallelOptimizer (`fused_allreduce_gradients`, unfused here)."""
+    works = [dist.all_reduce(g, group=group, async_op=True) for g in grads]
+    for work in works:
+        work.wait()
+    for g in grads:
+        g.mul_(1.0 / dist.get_world_size(group))
+
+
 def assign_group_by_size(params, group_size=128 * 1024 * 1024):
     """Split `params` into buckets of about `group_size` bytes (param dtype), one dtype each.
 

@@ -26,16 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from comm_buffer import (HOOK_ACTION, FusedCommBuffer, assign_group_by_size, bw_hook_func,
-                         global_rank)
+from comm_buffer import (HOOK_ACTION, FusedCommBuffer, all_reduce_mean, assign_group_by_size,
+                         bw_hook_func, global_rank, main_grad_or_grad as _grad)
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
-
-
-def _grad(p):
-    main_grad = getattr(p, "main_grad", None)
-    return main_grad if main_grad is not None else p.grad
 
 
 def _clear_grad(optimizer, set_to_zero):
@@ -300,15 +295,6 @@ class PipelineParallel(nn.Module):
                 and self._hcg.get_sharding_parallel_world_size() == 1)
 
     @torch.no_grad()
-    def _dp_sync_grads(self):
-        group, n = self._hcg.get_data_parallel_group(), self._hcg.get_data_parallel_world_size()
-        grads = [_grad(p) for p in self._layers.parameters() if _grad(p) is not None]
-        for work in [dist.all_reduce(g, group=group, async_op=True) for g in grads]:
-            work.wait()
-        for g in grads:
-            g.mul_(1.0 / n)
-
-    @torch.no_grad()
     def _optimizer_step(self):
         """Step, then release (seed hunk) or zero the grads, then the LR scheduler."""
         if self._delay_scale_loss:
@@ -318,7 +304,8 @@ class PipelineParallel(nn.Module):
                 if _grad(p) is not None:
                     _grad(p).mul_(1.0 / self.accumulate_steps)
         if self._needs_dp_sync():  # HybridParallelOptimizer.step's dp all-reduce
-            self._dp_sync_grads()
+            grads = [_grad(p) for p in self._layers.parameters() if _grad(p) is not None]
+            all_reduce_mean(grads, self._hcg.get_data_parallel_group())
         self.optimizer.step()
         if self._release_gradients:
             _clear_grad(self.optimizer, set_to_zero=False)

@@ -24,12 +24,8 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from comm_buffer import HOOK_ACTION, FusedCommBuffer, assign_group_by_size, global_rank
-
-
-def _grad(p):
-    main_grad = getattr(p, "main_grad", None)
-    return main_grad if main_grad is not None else p.grad
+from comm_buffer import (HOOK_ACTION, FusedCommBuffer, all_reduce_mean, assign_group_by_size,
+                         global_rank, main_grad_or_grad as _grad)
 
 
 def _clear(p, set_to_zero):
@@ -134,7 +130,7 @@ class MixPrecisionOptimizer(_Wrapper):
 
 
 class _Sharding(_Wrapper):
-    """What v1 and v2 share: flags, groups, the dp all-reduce and `zero_grad`."""
+    """What v1 and v2 share: flags, groups and whether to all-reduce over dp."""
 
     def _setup(self, optimizer, hcg, strategy):
         pp_config = strategy.hybrid_configs["pp_configs"]
@@ -156,14 +152,6 @@ class _Sharding(_Wrapper):
         # HybridParallelOptimizer's dp all-reduce, unless the pipeline already overlapped it.
         self._dp_sync = (hcg.get_data_parallel_world_size() > 1
                          and not pp_config.dp_comm_overlap)
-
-    def _dp_all_reduce(self, grads):
-        """All-reduce and average `grads` (1-D or full tensors) over the data-parallel group."""
-        group, n = self._hcg.get_data_parallel_group(), self._hcg.get_data_parallel_world_size()
-        for work in [dist.all_reduce(g, group=group, async_op=True) for g in grads]:
-            work.wait()
-        for g in grads:
-            g.mul_(1.0 / n)
 
 
 class DygraphShardingOptimizer(_Sharding):
@@ -228,7 +216,8 @@ class DygraphShardingOptimizer(_Sharding):
         self.reduce_gradients(self._parameter_list, self._hcg)
         owned = [p for p in self._parameter_list if self._param2rank[p] == self._rank]
         if self._dp_sync:
-            self._dp_all_reduce([_grad(p) for p in owned if _grad(p) is not None])
+            all_reduce_mean([_grad(p) for p in owned if _grad(p) is not None],
+                            self._hcg.get_data_parallel_group())
         self._inner_opt.step(closure)
         # _sharding_sync_parameters: every param from its owner
         works = [dist.broadcast(p.detach(), src=global_rank(self._group, self._param2rank[p]),
@@ -362,7 +351,8 @@ class DygraphShardingOptimizerV2(_Sharding):
         # slices are bound (so it misses them on the first step and after a release).
         if self._dp_sync:
             grads = [_grad(s) for s in self._slice_params.values()]
-            self._dp_all_reduce([g for g in grads if g is not None])
+            all_reduce_mean([g for g in grads if g is not None],
+                            self._hcg.get_data_parallel_group())
         self._inner_opt.step(closure)
         for comm_buffer in self._comm_buffer_list:  # _sharding_sync_parameters
             comm_buffer.sync_params()
