@@ -88,6 +88,10 @@ class PipelineParallel(nn.Module):
         self._sharding_hooks_registered = False
         self.optimizer = self.lr_scheduler = None
         self.schedule_trace = []  # ("F" | "B", micro-batch) in the order run: for tests
+        # With nccl, the first call on the group that batch_isend_irecv uses must involve all
+        # its ranks (torch's rule for P2POp); a tiny all-reduce does that on every backend.
+        dist.all_reduce(torch.zeros(1, device=self._device()),
+                        group=hcg.get_pipe_parallel_group())
         if self._dp_comm_overlap:
             self.fused_gradient(self._layers, hcg.get_data_parallel_group(),
                                 self.accumulate_steps, dp=True)
@@ -321,7 +325,10 @@ class PipelineParallel(nn.Module):
 
     def _device(self):
         p = next(self._layers.parameters(), None)
-        return p.device if p is not None else torch.device("cpu")
+        if p is not None:
+            return p.device
+        nccl = dist.get_backend(self._hcg.get_pipe_parallel_group()) == "nccl"
+        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def _if_not_last(self, out):
         return None if self.stage_id == self.num_stages - 1 else out

@@ -342,22 +342,24 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def _seeded_layer(seed, main_grad, cls, *args):
-    """Build one layer from its own seed (same weights on any stage) and, for --main-grad,
-    make it bf16 with fp32 main grads, before any buffer hook is registered."""
+def _seeded_layer(seed, main_grad, device, cls, *args):
+    """Build one layer from its own seed (same weights on any stage), on its device and, for
+    --main-grad, in bf16 with fp32 main grads: all before the pipeline builds grad buffers
+    (moving a module afterwards would move its grads out of their buffer)."""
     torch.manual_seed(seed)
-    layer = cls(*args)
+    layer = cls(*args).to(device)
     if main_grad:
         layer.to(torch.bfloat16)
         register_main_grad_hooks(layer.parameters())
     return layer
 
 
-def lm_layers(vocab, opts):
+def lm_layers(vocab, opts, device):
     d, seed, main_grad = opts["d_model"], opts["seed"], opts["main_grad"]
     specs = ([(Embedding, vocab, d, opts["block"])] + [(Block, d, 4)] * opts["layers"]
              + [(Head, d, vocab)])
-    return [partial(_seeded_layer, seed + i, main_grad, *spec) for i, spec in enumerate(specs)]
+    return [partial(_seeded_layer, seed + i, main_grad, device, *spec)
+            for i, spec in enumerate(specs)]
 
 
 def load_text(path=None):
@@ -406,7 +408,7 @@ def make_strategy(opts, release):
 def _train_once(opts, strategy, hcg, ids, vocab, device):
     gc.collect()
     start_bytes = allocator_in_use_bytes(device)  # idle bytes are counted from here
-    model = PipelineParallel(lm_layers(vocab, opts), hcg, strategy, lm_loss).to(device)
+    model = PipelineParallel(lm_layers(vocab, opts, device), hcg, strategy, lm_loss)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts["lr"], weight_decay=0.01)
     if strategy.sharding_degree > 1:
         cls = DygraphShardingOptimizerV2 if opts["split_param"] else DygraphShardingOptimizer
