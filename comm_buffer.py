@@ -274,8 +274,16 @@ class FusedCommBuffer:
     Attributes: `grad_storage` (1-D, `buffer_size` elements; None while released),
     `param_storage` (REDUCE_SCATTER or fuse_param), `param2offset` (ALL_REDUCE / REDUCE),
     `_sharding_param_grad_view` (REDUCE_SCATTER). Params are keys by identity (Paddle: by name).
-    Raises ValueError for an empty or mixed-dtype bucket, an unknown act, a dst that does not
-    fit the act, `fuse_param` with `release_grads` or with REDUCE_SCATTER, or acc_steps < 1.
+
+    A step, used directly (PipelineParallel does the same): register `bw_hook_func(buffer, p)`
+    with `p.register_post_accumulate_grad_hook` for every param (after
+    `register_main_grad_hooks`, if any); run `acc_steps` backwards of a loss you have scaled by
+    1/acc_steps, during the last of which the collective fires; `scale_grads()`; step the
+    optimizer; then either zero the grads in place (release off) or drop them and call
+    `_clear_grad_storage()` (release on). Skipping a part raises at the next check-in.
+    Raises ValueError for an empty, mixed-dtype or frozen bucket, an unknown act, a dst that
+    does not fit the act or is not in `comm_group`, `fuse_param` with `release_grads` or with
+    REDUCE_SCATTER, or acc_steps that is not an int >= 1.
     """
 
     def __init__(self, id, params, comm_group, acc_steps=1, act=None, dst=-1,
@@ -289,6 +297,10 @@ class FusedCommBuffer:
         self._acc_steps = acc_steps
         self._comm_group = comm_group
         self._nranks = dist.get_world_size(comm_group)
+        ranks = dist.get_process_group_ranks(comm_group or dist.group.WORLD)
+        if act == HOOK_ACTION.REDUCE and dst not in ranks:
+            raise ValueError(f"dst={dst} must be the global rank of a member of comm_group, "
+                             f"one of {ranks}")
         self._act = act
         self._dst = dst
         self._scale_after_comm = scale_after_comm
@@ -365,7 +377,8 @@ class FusedCommBuffer:
         Allocates `zeros(buffer_size)` of the grad dtype (fp32 with main_grad) if the buffer is
         absent, adds `param.grad` (or `main_grad`) into the param's slot and re-points it at the
         slot, shape `param.shape`, so later micro-batches accumulate in place. Does nothing after
-        the first check-in. Raises ValueError if the param has no grad to move.
+        the first check-in. A param without a grad gets its zero slot, as it would have with
+        release off (Paddle fails there), so release on and off stay bitwise equal.
         """
         if self._params_step_dict[param] > 0:
             return
@@ -379,13 +392,10 @@ class FusedCommBuffer:
         else:
             slot = self._slot(param)
         grad = _grad_of(param, self.use_main_grad)
-        if grad is None:
-            raise ValueError(
-                f"{self._name(param)} has no {'main_grad' if self.use_main_grad else 'grad'} "
-                "to copy into the grad buffer: every param of a bucket must get a grad each "
-                "step (freeze unused params before building buffers)")
-        slot.add_(grad.reshape(-1))
+        if grad is not None:
+            slot.add_(grad.reshape(-1))
         _set_grad(param, self.use_main_grad, slot.view(param.shape))
+        self._grads_to_addr[param] = slot.data_ptr()  # [later, PR #64460] for add_grad
 
     @torch.no_grad()
     def _clear_grad_storage(self):
@@ -400,8 +410,12 @@ class FusedCommBuffer:
         master grads) are their owners' to drop. Also beyond Paddle: the step's check-ins are
         reset with the buffer, a call while a collective is still in flight raises
         RuntimeError, and a call with nothing allocated is a no-op (Paddle raises), so that
-        `zero_grad()` can be called at any point of a loop, as torch users do.
+        `zero_grad()` can be called at any point of a loop, as torch users do. Raises
+        RuntimeError on a buffer built with release_grads=False.
         """
+        if not self._release_grads:
+            raise RuntimeError(f"bucket {self._id} was built with release_grads=False: its grad "
+                               "buffer must persist; zero the grads in place instead")
         if self._task is not None:
             raise RuntimeError(f"bucket {self._id}: a collective on the grad buffer is in "
                                "flight; call scale_grads() before releasing the buffer")
@@ -422,10 +436,13 @@ class FusedCommBuffer:
 
         Without release, first checks that the grad is still the view of its slot (Paddle's
         "address changed" check). With release, moves the grad into the buffer on its first
-        check-in (`_copy_grad_to_buffer`). After every param has checked in `acc_steps` times
-        and `use_comm` is set, calls `comm_grads()`.
+        check-in (`_copy_grad_to_buffer`) and checks the address on the later ones ([later],
+        PR #64460). After every param has checked in `acc_steps` times and `use_comm` is set,
+        calls `comm_grads()`.
         Raises ValueError if the param is not in this bucket, has already checked in
-        `acc_steps` times this step, or (release off) its grad no longer aliases its slot.
+        `acc_steps` times this step, its grad no longer aliases its slot, its low-precision
+        grad is still set under main_grad (hooks in the wrong order), or (beyond Paddle) a new
+        step starts while last step's released buffer is still allocated.
         """
         if param not in self._params_step_dict:
             if param not in self._index:
@@ -434,18 +451,31 @@ class FusedCommBuffer:
             raise ValueError(f"add_grad: {self._name(param)} already checked in acc_steps="
                              f"{self._acc_steps} times this step; call scale_grads() to end "
                              "the step, or build the buffer with the real micro-batch count")
-        if not self._release_grads:
+        if self.use_main_grad and param.grad is not None:
+            raise ValueError(f"add_grad: {self._name(param)} still has its low-precision grad: "
+                             "register_main_grad_hooks must be registered before the buffer's "
+                             "hooks (bw_hook_func), so that main_grad is up to date here")
+        if self._release_grads and self._params_step_dict[param] == 0:
+            if self.grad_storage is not None and self._params_checked_in == 0 and not any(
+                    self._params_step_dict.values()):
+                raise ValueError(
+                    f"bucket {self._id}: a new step started while last step's grad buffer is "
+                    "still allocated, so its values would be added in. With release_grads, "
+                    "after the optimizer step drop the grads and call _clear_grad_storage() "
+                    "(PipelineParallel._optimizer_step does both)")
+            self._copy_grad_to_buffer(param)
+        else:
             grad = _grad_of(param, self.use_main_grad)
             if (None if grad is None else grad.data_ptr()) != self._grads_to_addr[param]:
                 raise ValueError(
                     f"The address of the grad/main_grad of {self._name(param)} changed during "
-                    "training; with a fused buffer and release_grads off the grad must stay the "
-                    "view of its slot. Likely causes: zero_grad(set_to_none=True) / "
-                    "clear_grad(set_to_zero=False), or an out-of-place op that rebinds the grad "
-                    "(grad = grad * s). Zero in place (set_to_none=False, grad.mul_(s)), or "
-                    "turn release_gradients on.")
-        else:
-            self._copy_grad_to_buffer(param)
+                    "training; while the buffer holds it, the grad must stay the view of its "
+                    "slot. Likely causes: zero_grad(set_to_none=True) / clear_grad("
+                    "set_to_zero=False) with release off, or between micro-batches; or an "
+                    "out-of-place op that rebinds the grad (grad = grad * s). Zero in place "
+                    "(set_to_none=False, grad.mul_(s)); with release on "
+                    "(FusedCommBuffer(release_grads=True), pp_configs.release_gradients) drop "
+                    "the grads only after the step.")
         self._params_step_dict[param] += 1
         if self._params_step_dict[param] == self._acc_steps:
             self._params_checked_in += 1
@@ -453,12 +483,17 @@ class FusedCommBuffer:
         if self._all_params_checked_in and use_comm:
             self.comm_grads()
 
+    def _check_in_status(self):
+        missing = [f"#{self._index[p]} ({n} of {self._acc_steps})"
+                   for p, n in self._params_step_dict.items()]
+        return (f"{self._params_checked_in} of {len(self._params)} params checked in "
+                f"acc_steps={self._acc_steps} times; missing: {', '.join(missing) or 'none'}")
+
     def comm_grads(self):
         """Issue the collective; raises RuntimeError unless every param has checked in."""
         if not self._all_params_checked_in:
             raise RuntimeError(f"bucket {self._id}: not all params checked in: "
-                               f"{len(self._params)} params, {self._params_checked_in} "
-                               "checked in")
+                               f"{self._check_in_status()}")
         self._comm_grads()
 
     @torch.no_grad()
@@ -486,9 +521,9 @@ class FusedCommBuffer:
         Raises RuntimeError if no collective was issued this step.
         """
         if self._task is None:
-            raise RuntimeError(f"bucket {self._id}: no collective in flight; every param must "
-                               f"check in acc_steps={self._acc_steps} times (or call "
-                               "_comm_grads()) before scale_grads()")
+            raise RuntimeError(f"bucket {self._id}: no collective in flight, so nothing to wait "
+                               f"for: {self._check_in_status()}. A param that gets no grad in "
+                               "backward never checks in; or scale_grads() already ran this step")
         self._task.wait()
         if self._scale_after_comm:
             self.grad_storage.mul_(1.0 / self._nranks)
@@ -539,8 +574,12 @@ def _check_args(params, acc_steps, act, dst, fuse_param, release_grads):
                          "(as in Paddle); turn one off")
     if fuse_param and act == HOOK_ACTION.REDUCE_SCATTER:
         raise ValueError("fuse_param is not supported with REDUCE_SCATTER (as in Paddle)")
-    if acc_steps < 1:
-        raise ValueError(f"acc_steps must be >= 1, got {acc_steps}")
+    if not isinstance(acc_steps, int) or acc_steps < 1:
+        raise ValueError(f"acc_steps must be an int >= 1 (micro-batches), got {acc_steps!r}")
+    frozen = [i for i, p in enumerate(params) if not p.requires_grad]
+    if frozen:
+        raise ValueError(f"params #{frozen} do not require grad; a bucket holds trainable "
+                         "params only (as in Paddle): leave frozen params out")
 
 
 # torch 2.13 renamed these collectives; fall back to the old names for older torch.

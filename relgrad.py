@@ -523,10 +523,22 @@ def parse_args(argv=None):
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     p.add_argument("--json", action="store_true", help="print one JSON object only")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.micro_batches < 1 or args.layers < 1:
-        p.error("--steps, --micro-batches and --layers must be >= 1")
+    for flag in ("pp", "sharding", "dp", "steps", "micro_batches", "micro_batch_size", "layers"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not 1 <= args.block <= 1024:
+        p.error(f"--block must be between 1 and 1024 characters, got {args.block}")
+    if args.d_model < 4 or args.d_model % 4:
+        p.error(f"--d-model must be a multiple of the 4 attention heads, got {args.d_model}")
     if args.pp > args.layers + 2:
         p.error(f"--pp {args.pp} exceeds the {args.layers + 2} layers; add --layers")
+    try:
+        chars = len(load_text(args.data))
+    except OSError as e:
+        p.error(f"--data: cannot read {args.data!r}: {e.strerror}")
+    if chars < args.block + 2:
+        p.error(f"the text has {chars} characters; --block {args.block} needs at least "
+                f"{args.block + 2}: pass a longer --data file or a smaller --block")
     opts = {k: v for k, v in vars(args).items() if k not in ("quiet", "json", "timeout")}
     return args, opts
 

@@ -152,6 +152,14 @@ class _Sharding(_Wrapper):
         # HybridParallelOptimizer's dp all-reduce, unless the pipeline already overlapped it.
         self._dp_sync = (hcg.get_data_parallel_world_size() > 1
                          and not pp_config.dp_comm_overlap)
+        self._reduced = False  # grads reduced by a step() and not cleared since
+
+    def _begin_step(self):
+        # Beyond Paddle: a second step() would reduce already reduced grads again.
+        if self._reduced:
+            raise RuntimeError("step() ran again without clear_grad() / zero_grad() in between; "
+                               "the grads are already reduced. Clear them after each step")
+        self._reduced = True
 
 
 class DygraphShardingOptimizer(_Sharding):
@@ -159,10 +167,17 @@ class DygraphShardingOptimizer(_Sharding):
 
     Args:
         optimizer: a torch optimizer over the model (or this pipeline stage); used as a template.
-        hcg: the topology (`relgrad.HybridCommunicateGroup` or any object with its getters).
-        strategy: the hybrid strategy (`relgrad.HybridStrategy`); Paddle reads it from fleet.
+        hcg: the topology, e.g. `relgrad.HybridCommunicateGroup`; any object with
+            `get_sharding_parallel_{group,rank,world_size}()` and
+            `get_data_parallel_{group,world_size}()` will do.
+        strategy: e.g. `relgrad.HybridStrategy` (Paddle reads it from fleet); read here:
+            `strategy.hybrid_configs["pp_configs"]`'s `sharding_comm_overlap`,
+            `dp_comm_overlap`, `release_gradients`, and `...["sharding_configs"]`'s
+            `comm_overlap`, `release_gradients` (v2 also `accumulate_steps`).
     `_param2rank` maps each param (by identity; Paddle: by name) to its owner's sharding rank.
-    Raises ValueError for a param with no elements or an unsupported config.
+    Call `step()` after backward, then `clear_grad()` / `zero_grad()` before the next step.
+    Raises ValueError for a param with no elements or an unsupported config, RuntimeError for
+    a second `step()` without clearing the grads in between.
     """
 
     def __init__(self, optimizer, hcg, strategy):
@@ -213,6 +228,7 @@ class DygraphShardingOptimizer(_Sharding):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._begin_step()
         self.reduce_gradients(self._parameter_list, self._hcg)
         owned = [p for p in self._parameter_list if self._param2rank[p] == self._rank]
         if self._dp_sync:
@@ -236,6 +252,7 @@ class DygraphShardingOptimizer(_Sharding):
         """
         if not set_to_zero and self.pp_overlap and not self._release_grads:
             raise ValueError(_ERASE_MSG)
+        self._reduced = False
         for p in self._parameter_list:
             _clear(p, set_to_zero)
 
@@ -249,12 +266,15 @@ _ERASE_MSG = ("should not erase grad buffer: with release_gradients off the grad
 class DygraphShardingOptimizerV2(_Sharding):
     """Sharding v2 (split_param): flat shards, reduce-scatter -> step slices -> all-gather.
 
-    Same args as v1. Each model param becomes a view of a flat padded param buffer; the inner
-    optimizer steps `_slice_params[param]`, a 1-D view of this rank's piece of it (empty until
-    the first step). The REDUCE_SCATTER buffers are its own (`_build_comm_buffers`) or, with
-    pp_configs.sharding_comm_overlap, the pipeline's (found through `param.comm_buffer_ref`).
+    Same args and use as v1. Each model param becomes a view of a flat padded param buffer
+    (at construction); the inner optimizer steps `_slice_params[param]`, a 1-D view of this
+    rank's piece of it (empty until the first step). The REDUCE_SCATTER buffers are its own
+    (`_build_comm_buffers`) or, with pp_configs.sharding_comm_overlap, the pipeline's (found
+    through `param.comm_buffer_ref`). Its own buffers have no hooks: with release off, backward
+    accumulates straight into their views; with release on, `reduce_gradients` copies the grads
+    in at `step()` (so `sharding_configs.accumulate_steps` only matters with hooks).
     Raises ValueError for `clear_grad(set_to_zero=False)` with release off, RuntimeError if
-    `step()` finds no buffers.
+    `step()` finds no buffers or runs twice without clearing the grads in between.
     """
 
     def __init__(self, optimizer, hcg, strategy):
@@ -290,6 +310,7 @@ class DygraphShardingOptimizerV2(_Sharding):
         """
         if not self.pp_release_grads and not set_to_zero:
             raise ValueError(_ERASE_MSG)
+        self._reduced = False
         for p in self._parameter_list:
             _clear(p, set_to_zero)
         if self.pp_release_grads:
@@ -344,6 +365,7 @@ class DygraphShardingOptimizerV2(_Sharding):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._begin_step()
         self._collect_comm_buffers()
         self.reduce_gradients(self._parameter_list, self._hcg)
         self._assign_slice_grad()

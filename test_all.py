@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,8 +277,44 @@ def _check_misuse(rank, world):
     params[0].grad = params[0].grad * 2  # out of place: the grad leaves its slot
     with pytest.raises(ValueError, match="address of the grad"):
         sum(p.sum() for p in params).backward()
-    with pytest.raises(RuntimeError, match="no collective in flight"):
+    with pytest.raises(RuntimeError, match=r"no collective in flight.*missing: #0 \(0 of 1\)"):
         buf.scale_grads()
+    with pytest.raises(RuntimeError, match="release_grads=False: its grad buffer must persist"):
+        buf._clear_grad_storage()
+    with pytest.raises(ValueError, match="acc_steps must be an int >= 1"):
+        FusedCommBuffer(0, _new_params([(4,)]), None, 2.5, act=HOOK_ACTION.ALL_REDUCE)
+    with pytest.raises(ValueError, match="do not require grad"):
+        FusedCommBuffer(0, [torch.zeros(3)], None, act=HOOK_ACTION.ALL_REDUCE)
+    with pytest.raises(ValueError, match=f"dst={world} must be the global rank of a member"):
+        FusedCommBuffer(0, _new_params([(4,)]), None, act=HOOK_ACTION.REDUCE, dst=world)
+
+    # release on, used by hand: each skipped part of the step raises at the next check-in
+    params = _new_params([(4,), (3,)])
+    buf = FusedCommBuffer(0, params, None, 2, act=HOOK_ACTION.ALL_REDUCE, release_grads=True)
+    for p in params:
+        p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+    for _ in range(2):
+        _backward_int_grads(params, rank, 0, 0)
+    buf.scale_grads()
+    for p in params:
+        p.grad = None  # the optimizer's zero_grad(), but no _clear_grad_storage()
+    with pytest.raises(ValueError, match="new step started while last step's grad buffer"):
+        _backward_int_grads(params, rank, 1, 0)
+    buf._clear_grad_storage()
+    _backward_int_grads(params, rank, 1, 0)
+    for p in params:
+        p.grad = None  # zero_grad() between micro-batches
+    with pytest.raises(ValueError, match="address of the grad"):
+        _backward_int_grads(params, rank, 1, 1)
+
+    # main-grad hooks registered after the buffer's: add_grad would read a stale main_grad
+    (p,) = _new_params([(6,)], torch.bfloat16)
+    p.main_grad = None
+    buf = FusedCommBuffer(0, [p], None, 2, act=HOOK_ACTION.ALL_REDUCE, release_grads=True)
+    p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+    register_main_grad_hooks([p])
+    with pytest.raises(ValueError, match="must be registered before the buffer's hooks"):
+        p.sum().backward()
     # fuse_param (without release) moves params into one flat buffer
     fused = _new_params([(4,), (3,)])
     values = [p.detach().clone() for p in fused]
@@ -485,6 +522,27 @@ def _check_sharding_lifetime(hcg, strategy):
                     opt.zero_grad()  # torch's default set_to_none=True
 
 
+def _check_unused_param(hcg, strategy):
+    """v2 with a param that gets no grad: release on and off give the same bits."""
+    trajs = {}
+    for release in (False, True):
+        st = copy.deepcopy(strategy)
+        st.pp_configs.release_gradients = release
+        model = nn.ModuleList([_mlp([6, 16, 4]), nn.Linear(3, 3)])  # [1] is never called
+        opt = DygraphShardingOptimizerV2(OPTIMIZERS["adam"](model.parameters()), hcg, st)
+        trajs[release] = []
+        for step in range(3):
+            x, y = _data(step, 8, 6, 4)
+            F.mse_loss(model[0](x), y).backward()
+            opt.step()
+            with pytest.raises(RuntimeError, match="step\\(\\) ran again without clear_grad"):
+                opt.step()
+            opt.zero_grad(set_to_none=release)
+            trajs[release].append([p.detach().clone() for p in model.parameters()])
+    for off, on in zip(trajs[False], trajs[True]):
+        assert all(torch.equal(a, b) for a, b in zip(off, on))
+
+
 def _check_sched_and_state(hcg, strategy):
     """A torch LR scheduler drives the wrapper; state_dict round-trips this rank's state."""
     _check_against_oracle(hcg, strategy, lambda: _mlp([6, 16, 4]), sched=True)
@@ -560,6 +618,7 @@ def _sharding_worker(rank, world):
         hcg = HybridCommunicateGroup(strategy)
         _check_against_oracle(hcg, strategy, lambda: _mlp([6, 16, 4]))
         _check_sharding_lifetime(hcg, strategy)
+        _check_unused_param(hcg, strategy)
         _check_sched_and_state(hcg, strategy)
         _check_main_grad_sharding(hcg, strategy)
     else:
@@ -874,15 +933,18 @@ def test_config_errors():
     assert strategy.hybrid_configs["pp_configs"].release_gradients is True
 
 
+def _run_json(cmd):
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT,
+                          cwd=str(Path(__file__).parent))
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)  # exactly one JSON object on stdout
+
+
 def test_main_job_json():
     """Check the demo end to end: off and on bitwise equal, 0 idle grad bytes with release on
     and the whole buffer with it off, the allocator agreeing with our count."""
-    cmd = [sys.executable, "relgrad.py", "--json", "--steps", "6", "--layers", "2",
-           "--d-model", "128", "--block", "32", "--micro-batch-size", "2"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT,
-                          cwd=str(__import__("pathlib").Path(__file__).parent))
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)  # exactly one JSON object on stdout
+    result = _run_json([sys.executable, "relgrad.py", "--json", "--steps", "6", "--layers", "2",
+                        "--d-model", "128", "--block", "32", "--micro-batch-size", "2"])
     off, on = result["modes"]["off"], result["modes"]["on"]
     assert result["bitwise_equal"] is True and off["losses"] == on["losses"]
     assert len(off["losses"]) == 6 and off["losses"][-1] < off["losses"][0]
@@ -893,3 +955,24 @@ def test_main_job_json():
                                     on["idle_grad_bytes_allocator"]):
         assert abs((a_off - a_on) - counted) <= 0.05 * counted, (a_off - a_on, counted)
     assert off["step_time_s"] > 0 and on["step_time_s"] > 0
+
+
+def test_torchrun_json():
+    """Check `relgrad.py` joins a torchrun job (the several-machines path) and reports."""
+    result = _run_json([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", "relgrad.py", "--json", "--pp", "2",
+                        "--sharding", "1", "--steps", "3", "--layers", "2", "--block", "32"])
+    assert result["bitwise_equal"] is True and result["stages"] == [0, 1]
+    assert result["modes"]["on"]["idle_grad_bytes_counted"] == [0, 0]
+    assert all(n > 0 for n in result["modes"]["off"]["idle_grad_bytes_counted"])
+
+
+def test_cli_errors():
+    """Check bad flags fail before any rank starts, naming the flag and the fix."""
+    for args, message in ((["--pp", "0"], "--pp must be >= 1, got 0"),
+                          (["--d-model", "30"], "multiple of the 4 attention heads"),
+                          (["--data", "/no/such/file"], "cannot read"),
+                          (["--pp", "3", "--sharding", "1", "--layers", "0"], "--layers must")):
+        done = subprocess.run([sys.executable, "relgrad.py", *args], capture_output=True,
+                              text=True, timeout=60, cwd=str(Path(__file__).parent))
+        assert done.returncode == 2 and message in done.stderr, done.stderr
