@@ -25,7 +25,7 @@ import comm_buffer
 from comm_buffer import HOOK_ACTION, FusedCommBuffer, bw_hook_func, register_main_grad_hooks
 from pipeline import PipelineParallel
 from relgrad import (DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig,
-                     launch)
+                     launch, live_grad_bytes)
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
 
 TIMEOUT = 120  # seconds per launch; a hang fails the test instead of blocking the suite
@@ -44,6 +44,18 @@ def _same_on_all(tensors, group=None):
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, flat, group=group)
     return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def _released(*refs, seconds=2.0):
+    """True once every weakref is dead. Polls: gloo's worker thread lets go of a finished
+    collective's tensors a moment after `wait()` returns."""
+    deadline = time.monotonic() + seconds
+    while any(ref() is not None for ref in refs):
+        if time.monotonic() > deadline:
+            return False
+        gc.collect()
+        time.sleep(0.01)
+    return True
 
 
 def _new_params(shapes, dtype=torch.float32, seed=0):
@@ -86,6 +98,7 @@ def _check_layout(rank, world):
         view = buf._sharding_param_grad_view[p]
         assert (view._index, view._padded_size) == (index, size)
         assert (view._param_begin, view._param_end) == (max(index, lo), min(index + size, hi))
+        assert view._has_local == (max(index, lo) < min(index + p.numel(), hi))
         assert torch.equal(p, old) and p.data_ptr() == buf.param_storage[index:].data_ptr()
         owners.append([r for r in range(world)
                        if max(index, r * shard) < min(index + p.numel(), (r + 1) * shard)])
@@ -201,8 +214,7 @@ def _check_lifetime(rank, world):
             for p in params:
                 p.grad = None  # the caller drops the grads (clear_grad(set_to_zero=False))
             buf._clear_grad_storage()
-            gc.collect()
-            assert old() is None, "the released buffer is still alive"
+            assert _released(old), "the released buffer is still alive"
         buf._clear_grad_storage()  # documented no-op: nothing allocated this step
 
         params = _new_params([(33,), (5, 5)])
@@ -281,8 +293,9 @@ def _check_misuse(rank, world):
         buf.scale_grads()
     with pytest.raises(RuntimeError, match="release_grads=False: its grad buffer must persist"):
         buf._clear_grad_storage()
-    with pytest.raises(ValueError, match="acc_steps must be an int >= 1"):
-        FusedCommBuffer(0, _new_params([(4,)]), None, 2.5, act=HOOK_ACTION.ALL_REDUCE)
+    for acc_steps in (0, 2.5):
+        with pytest.raises(ValueError, match="acc_steps must be an int >= 1"):
+            FusedCommBuffer(0, _new_params([(4,)]), None, acc_steps, act=HOOK_ACTION.ALL_REDUCE)
     with pytest.raises(ValueError, match="do not require grad"):
         FusedCommBuffer(0, [torch.zeros(3)], None, act=HOOK_ACTION.ALL_REDUCE)
     with pytest.raises(ValueError, match=f"dst={world} must be the global rank of a member"):
@@ -306,6 +319,10 @@ def _check_misuse(rank, world):
         p.grad = None  # zero_grad() between micro-batches
     with pytest.raises(ValueError, match="address of the grad"):
         _backward_int_grads(params, rank, 1, 1)
+    buf._clear_grad_storage()  # drops the half step: its check-ins go with it
+    for k in range(2):
+        _backward_int_grads(params, rank, 2, k)
+    buf.scale_grads()
 
     # main-grad hooks registered after the buffer's: add_grad would read a stale main_grad
     (p,) = _new_params([(6,)], torch.bfloat16)
@@ -346,6 +363,9 @@ def test_assign_group_by_size():
     groups = comm_buffer.assign_group_by_size(ps, group_size=800)
     assert [[id(p) for p in g] for g in groups.values()] == [
         [id(ps[0]), id(ps[2])], [id(ps[1])], [id(ps[3]), id(ps[4])]]
+    late = [torch.zeros(10, dtype=torch.bfloat16), torch.zeros(300)]  # closes first
+    groups = comm_buffer.assign_group_by_size(late, group_size=800)
+    assert [[id(p) for p in g] for g in groups.values()] == [[id(late[0])], [id(late[1])]]
     with pytest.raises(ValueError, match="group_size"):
         comm_buffer.assign_group_by_size(ps, group_size=0)
 
@@ -470,6 +490,10 @@ def _check_edges(hcg, strategy):
                 for g, w in zip(got, want):
                     torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
             rank = hcg.get_sharding_parallel_rank()
+            if version == 1 and world == 4:  # largest first, each to the least loaded rank
+                model = nn.Sequential(nn.Linear(2, 1), nn.Linear(4, 4))  # 2, 1, 16, 4 elements
+                v1 = DygraphShardingOptimizer(OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+                assert [v1._param2rank[p] for p in model.parameters()] == [2, 3, 0, 1]
             if version == 1:
                 empty = rank not in opt._param2rank.values()
                 assert empty == (world == 4 and rank == 3)
@@ -509,8 +533,7 @@ def _check_sharding_lifetime(hcg, strategy):
                 storage = weakref.ref(buf.grad_storage)
                 if release:
                     opt.clear_grad(set_to_zero=False)
-                    gc.collect()
-                    assert storage() is None, "the released grad buffer is still alive"
+                    assert _released(storage), "the released grad buffer is still alive"
                     assert all(t is None for t in _grad_refs(model, opt))
                 else:
                     opt.clear_grad()
@@ -602,12 +625,14 @@ def _check_main_grad_sharding(hcg, strategy):
         for off, on in zip(trajs[False], trajs[True]):
             assert all(torch.equal(a, b) for a, b in zip(off, on))
         model = make()
+        start = [p.detach().clone() for p in model.parameters()]
         opt = MixPrecisionOptimizer(OPTIMIZERS["adam"](model.parameters()))
         for step in range(3):
             x, y = (t.bfloat16() for t in _data(step, 8, 6, 4))
             F.mse_loss(model(x).float(), y.float()).backward()
             opt.step()
             opt.zero_grad()
+        assert all(not torch.equal(a, b) for a, b in zip(start, model.parameters()))
         for got, want in zip(trajs[True][-1], model.parameters()):
             torch.testing.assert_close(got.float(), want.detach().float(), rtol=0, atol=2e-2)
 
@@ -739,10 +764,11 @@ def _release_probe(collectives):
         collectives.clear()  # it holds the buffers too
         storages = [weakref.ref(b.grad_storage) for b in buffers]
         model._optimizer_step()
-        gc.collect()
         if release:
             assert all(b.grad_storage is None for b in buffers)
-            assert all(ref() is None for ref in storages), "a released buffer is still alive"
+            assert _released(*storages), "a released buffer is still alive"
+            assert all(p.grad is None and getattr(p, "main_grad", None) is None
+                       for p in model.parameters()), "release leaves no grad behind"
             model.eval_batch(data)
             assert all(b.grad_storage is None for b in buffers)
         return loss
@@ -819,7 +845,8 @@ def _pipeline_worker_4(rank, world):
     strategy = _strategy(dp=2, pp=2, acc=4, dp_comm_overlap=True)
     hcg = HybridCommunicateGroup(strategy)
     _check_pipeline(hcg, strategy, None)
-    _check_pipeline(hcg, _strategy(dp=2, pp=2, acc=4), None, steps=2)  # dp without overlap
+    # dp without overlap; SGD, since Adam would hide a missing 1/dp
+    _check_pipeline(hcg, _strategy(dp=2, pp=2, acc=4), None, opt_name="sgd", steps=2)
 
     # explicit boundaries; a first stage without params builds no buffer and still runs
     torch.manual_seed(5)
@@ -855,6 +882,7 @@ def _pipeline_worker_2(rank, world):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
     model = PipelineParallel(_pipe_layers(), hcg, strategy, _mse)
+    assert len(model._layers) == (3, 4)[hcg.get_stage_id()]  # 7 layers: [0, 3) and [3, 7)
     x, y = _data(0, 8, PIPE_SIZES[0], PIPE_SIZES[-1])
     want = _mse(nn.Sequential(*_pipe_layers())(x), y)
     torch.testing.assert_close(model.eval_batch((x, y)), want, rtol=1e-5, atol=1e-6)
@@ -976,3 +1004,14 @@ def test_cli_errors():
         done = subprocess.run([sys.executable, "relgrad.py", *args], capture_output=True,
                               text=True, timeout=60, cwd=str(Path(__file__).parent))
         assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_live_grad_bytes():
+    """Check the demo's own count: distinct storages behind grads and buffers, counted once."""
+    model = nn.Linear(10, 10)  # 100 + 10 elements
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    buffer = type("Buffer", (), {"grad_storage": torch.zeros(1000)})()
+    assert live_grad_bytes(model, opt, [buffer]) == 4000
+    model.weight.grad = buffer.grad_storage[:100].view(10, 10)  # a view: same storage
+    model.bias.grad = torch.zeros(10)
+    assert live_grad_bytes(model, opt, [buffer]) == 4000 + 40
