@@ -47,7 +47,9 @@ class PipelineParallel(nn.Module):
     Args:
         layers: list or nn.Sequential; an item is an nn.Module or a zero-argument callable that
             builds one (Paddle's LayerDesc), called only on the stage that holds it.
-        hcg: the topology (`relgrad.HybridCommunicateGroup` or an object with its getters).
+        hcg: the topology, e.g. `relgrad.HybridCommunicateGroup`; read here:
+            `get_stage_id()`, `get_rank_from_stage(s)`, `get_pipe_parallel_{group,world_size}()`,
+            `get_data_parallel_{group,world_size}()`, `get_sharding_parallel_{group,world_size}()`.
         strategy: `relgrad.HybridStrategy`: degrees, accumulate_steps (micro-batches),
             micro_batch_size and pp_configs.
         loss_fn: `loss_fn(output, label) -> scalar`, mean over the micro-batch; last stage only.

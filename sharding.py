@@ -273,8 +273,9 @@ class DygraphShardingOptimizerV2(_Sharding):
     through `param.comm_buffer_ref`). Its own buffers have no hooks: with release off, backward
     accumulates straight into their views; with release on, `reduce_gradients` copies the grads
     in at `step()` (so `sharding_configs.accumulate_steps` only matters with hooks).
-    Raises ValueError for `clear_grad(set_to_zero=False)` with release off, RuntimeError if
-    `step()` finds no buffers or runs twice without clearing the grads in between.
+    Raises ValueError for `clear_grad(set_to_zero=False)` with release off or, with release
+    on, a bucket with no grad at all at `step()`; RuntimeError if `step()` finds no buffers or
+    runs twice without clearing the grads in between.
     """
 
     def __init__(self, optimizer, hcg, strategy):
@@ -345,6 +346,9 @@ class DygraphShardingOptimizerV2(_Sharding):
             return  # (Paddle: HybridParallelOptimizer does not call this then; see v1)
         for comm_buffer in self._comm_buffer_list:
             if self.pp_release_grads and comm_buffer.grad_storage is None:
+                if all(_grad(p) is None for p in comm_buffer.params):  # beyond Paddle
+                    raise ValueError("no param of a bucket has a grad at step(): did zero_grad() "
+                                     "run between backward and step()? Clear grads after step()")
                 for param in comm_buffer.params:
                     comm_buffer._copy_grad_to_buffer(param)
             comm_buffer._comm_grads()

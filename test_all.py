@@ -562,6 +562,11 @@ def _check_unused_param(hcg, strategy):
                 opt.step()
             opt.zero_grad(set_to_none=release)
             trajs[release].append([p.detach().clone() for p in model.parameters()])
+        if release:  # zero_grad() between backward and step() drops every grad
+            F.mse_loss(model[0](x), y).backward()
+            opt.zero_grad()
+            with pytest.raises(ValueError, match="did zero_grad\\(\\) run between backward"):
+                opt.step()
     for off, on in zip(trajs[False], trajs[True]):
         assert all(torch.equal(a, b) for a, b in zip(off, on))
 
