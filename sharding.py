@@ -39,6 +39,12 @@ def _clear(p, set_to_zero):
                 setattr(p, name, None)
 
 
+_ERASE_MSG = ("should not erase grad buffer: with release_gradients off the grads are views of "
+              "a fused buffer that must persist, so clear_grad(set_to_zero=False) / "
+              "zero_grad(set_to_none=True) is not allowed. Use zero_grad(set_to_none=False), "
+              "or turn pp_configs.release_gradients on.")
+
+
 class _Wrapper(torch.optim.Optimizer):
     """Common torch face of the wrappers: `param_groups` and `state` are the inner optimizer's
     (so torch LR schedulers work), `zero_grad(set_to_none)` is `clear_grad(not set_to_none)`,
@@ -72,6 +78,7 @@ class MixPrecisionOptimizer(_Wrapper):
         optimizer: a torch optimizer; used as a template (class, groups, hyper-parameters).
         params: one list of targets per param group of `optimizer`; default its own params.
             Targets may be empty placeholders filled later (v2 slices); masters follow them.
+    Raises ValueError if `step()` gets a closure.
     """
 
     def __init__(self, optimizer, params=None):
@@ -91,6 +98,7 @@ class MixPrecisionOptimizer(_Wrapper):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One optimizer step on every target that has a main_grad or grad (others skipped)."""
         if closure is not None:
             raise ValueError("closure is not supported by the sharding wrappers; call the "
                              "model yourself and then step()")
@@ -182,7 +190,6 @@ class DygraphShardingOptimizer(_Sharding):
 
     def __init__(self, optimizer, hcg, strategy):
         self._setup(optimizer, hcg, strategy)
-        self._release_grads = self.pp_release_grads  # no v1 hunk: used by clear_grad's check
         self._param2rank = self._partition_parameters()
         owned = [[p for p in g["params"] if self._param2rank[p] == self._rank]
                  for g in optimizer.param_groups]
@@ -228,6 +235,7 @@ class DygraphShardingOptimizer(_Sharding):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Reduce to owners -> dp all-reduce of owned grads -> step owned -> broadcast all."""
         self._begin_step()
         self.reduce_gradients(self._parameter_list, self._hcg)
         owned = [p for p in self._parameter_list if self._param2rank[p] == self._rank]
@@ -250,17 +258,11 @@ class DygraphShardingOptimizer(_Sharding):
         overlap) and release is off, dropping them would detach them from the buffer, so
         `set_to_zero=False` raises ValueError as v2 does.
         """
-        if not set_to_zero and self.pp_overlap and not self._release_grads:
+        if not set_to_zero and self.pp_overlap and not self.pp_release_grads:
             raise ValueError(_ERASE_MSG)
         self._reduced = False
         for p in self._parameter_list:
             _clear(p, set_to_zero)
-
-
-_ERASE_MSG = ("should not erase grad buffer: with release_gradients off the grads are views of "
-              "a fused buffer that must persist, so clear_grad(set_to_zero=False) / "
-              "zero_grad(set_to_none=True) is not allowed. Use zero_grad(set_to_none=False), "
-              "or turn pp_configs.release_gradients on.")
 
 
 class DygraphShardingOptimizerV2(_Sharding):
@@ -369,6 +371,7 @@ class DygraphShardingOptimizerV2(_Sharding):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Reduce-scatter -> bind slices -> dp all-reduce of slice grads -> step -> all-gather."""
         self._begin_step()
         self._collect_comm_buffers()
         self.reduce_gradients(self._parameter_list, self._hcg)
