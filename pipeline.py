@@ -113,6 +113,7 @@ class PipelineParallel(nn.Module):
                              "turn it off")
 
     def forward(self, x):
+        """This stage's layers on `x` (no communication)."""
         return self._layers(x)
 
     # ---- comm overlap: fused buffers whose hooks fire the collectives during backward ----
@@ -188,7 +189,11 @@ class PipelineParallel(nn.Module):
             self.register_sharding_comm_overlap_hook(optimizer)
 
     def forward_backward_pipeline(self, data):
-        """The 1F1B schedule; grads end up reduced and scaled when comm overlap is on."""
+        """Warm-up, steady 1F1B and cool-down over `data`; no optimizer step.
+
+        Leaves this stage's grads accumulated over the micro-batches (and, with comm overlap,
+        reduced and scaled); returns the loss as `train_batch` does and raises as it does.
+        """
         inputs, labels = self._micro_batches(data)
         acc, self.schedule_trace = self.accumulate_steps, []
         self._meta_sent = self._meta_recv = None
@@ -238,7 +243,8 @@ class PipelineParallel(nn.Module):
 
     def eval_batch(self, data, compute_loss=True):
         """Forward only over the micro-batches; returns the mean loss (or, if `compute_loss`
-        is False, the last stage's outputs concatenated, None on other stages)."""
+        is False, the last stage's outputs concatenated, None on other stages). Raises
+        ValueError as `train_batch` does."""
         inputs, labels = self._micro_batches(data)
         self.eval()
         self._meta_sent = self._meta_recv = None

@@ -116,6 +116,7 @@ class HybridStrategy:
                 "sharding_configs": self.sharding_configs}
 
     def check_world_size(self, world_size):
+        """Raise ValueError unless the degrees multiply to `world_size` (ranks)."""
         product = self.dp_degree * self.pp_degree * self.sharding_degree
         _require(product == world_size, f"dp_degree * pp_degree * sharding_degree = {product} "
                  f"({self.dp_degree} * {self.pp_degree} * {self.sharding_degree}) must equal "
@@ -155,24 +156,31 @@ class HybridCommunicateGroup:
                     self._groups.append((group, ranks))
 
     def get_global_rank(self):
+        """This rank in the default group."""
         return self._rank
 
     def get_data_parallel_rank(self):
+        """This rank's index along dp."""
         return self._coord[0]
 
     def get_data_parallel_world_size(self):
+        """dp_degree."""
         return len(self._groups[0][1])
 
     def get_data_parallel_group(self):
+        """The process group of this rank's dp replicas."""
         return self._groups[0][0]
 
     def get_stage_id(self):
+        """This rank's pipeline stage."""
         return self._coord[1]
 
     def get_pipe_parallel_world_size(self):
+        """pp_degree."""
         return len(self._groups[1][1])
 
     def get_pipe_parallel_group(self):
+        """The process group of this rank's pipe (one rank per stage)."""
         return self._groups[1][0]
 
     def get_rank_from_stage(self, stage_id):
@@ -180,12 +188,15 @@ class HybridCommunicateGroup:
         return self._groups[1][1][stage_id]
 
     def get_sharding_parallel_rank(self):
+        """This rank's index in its sharding group."""
         return self._coord[2]
 
     def get_sharding_parallel_world_size(self):
+        """sharding_degree."""
         return len(self._groups[2][1])
 
     def get_sharding_parallel_group(self):
+        """The process group that shares one optimizer state."""
         return self._groups[2][0]
 
 
@@ -310,6 +321,8 @@ def live_grad_bytes(model, optimizer, buffers):
 # ---- the demo model: a decoder-only character-level LM, as a list of pipeline layers ----
 
 class Embedding(nn.Module):
+    """Token plus learned position embeddings: the first pipeline layer."""
+
     def __init__(self, vocab, d_model, block_size):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(block_size, d_model)
@@ -319,6 +332,8 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
+    """A pre-norm transformer block with a causal mask (torch's TransformerEncoderLayer)."""
+
     def __init__(self, d_model, n_head):
         super().__init__()
         self.layer = nn.TransformerEncoderLayer(d_model, n_head, 4 * d_model, dropout=0.0,
@@ -330,6 +345,8 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
+    """Final layer norm and projection to vocabulary logits: the last pipeline layer."""
+
     def __init__(self, d_model, vocab):
         super().__init__()
         self.norm, self.proj = nn.LayerNorm(d_model), nn.Linear(d_model, vocab)
@@ -339,6 +356,7 @@ class Head(nn.Module):
 
 
 def lm_loss(logits, targets):
+    """Mean cross entropy of (B, T, vocab) logits against (B, T) int64 targets, in fp32."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
@@ -355,6 +373,7 @@ def _seeded_layer(seed, main_grad, device, cls, *args):
 
 
 def lm_layers(vocab, opts, device):
+    """The LM as a list of layer builders for PipelineParallel (each stage builds its own)."""
     d, seed, main_grad = opts["d_model"], opts["seed"], opts["main_grad"]
     specs = ([(Embedding, vocab, d, opts["block"])] + [(Block, d, 4)] * opts["layers"]
              + [(Head, d, vocab)])
@@ -393,6 +412,7 @@ def train_job(rank, world_size, opts):
 
 
 def make_strategy(opts, release):
+    """The demo's HybridStrategy: overlap where Paddle allows it, and the given release flag."""
     sharding = opts["sharding"]
     return HybridStrategy(
         dp_degree=opts["dp"], pp_degree=opts["pp"], sharding_degree=sharding,
@@ -482,6 +502,7 @@ def _kib(n):
 
 
 def print_report(summary):
+    """Print the per-rank table, step times and the bitwise verdict of `summarize`'s output."""
     off, on = summary["modes"]["off"], summary["modes"]["on"]
     print("\nper rank, KiB above each run's start (idle: between steps after step 1, "
           "median; allocator: in-use bytes)")
@@ -502,6 +523,7 @@ def print_report(summary):
 
 
 def parse_args(argv=None):
+    """Parse and check the flags (argparse errors exit with status 2); returns (args, opts)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", type=int, default=2, help="pipeline stages")
     p.add_argument("--sharding", type=int, default=2, help="sharding degree")
@@ -544,6 +566,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    """Run the demo locally (own ranks) or inside torchrun; print the report; return the
+    exit status."""
     args, opts = parse_args(argv)
     world = args.pp * args.sharding * args.dp
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join that job

@@ -55,12 +55,15 @@ class _Wrapper(torch.optim.Optimizer):
         self.param_groups, self.state = inner.param_groups, inner.state
 
     def zero_grad(self, set_to_none=True):
+        """torch's spelling of `clear_grad(set_to_zero=not set_to_none)`, same rules."""
         self.clear_grad(set_to_zero=not set_to_none)
 
     def state_dict(self):
+        """This rank's optimizer state (its shard of it, for v1 and v2)."""
         return self._inner_opt.state_dict()
 
     def load_state_dict(self, state_dict):
+        """Load what this rank's `state_dict()` returned."""
         self._inner_opt.load_state_dict(state_dict)
 
 
@@ -128,10 +131,12 @@ class MixPrecisionOptimizer(_Wrapper):
             _clear(t, set_to_zero)
 
     def state_dict(self):
+        """The inner optimizer's state plus the fp32 masters (in target order)."""
         return {"inner": self._inner_opt.state_dict(),
                 "masters": [m.clone() for m in self._masters.values()]}
 
     def load_state_dict(self, state_dict):
+        """Load what `state_dict()` returned, masters included."""
         self._inner_opt.load_state_dict(state_dict["inner"])
         for m, saved in zip(self._masters.values(), state_dict["masters"]):
             m.data = saved.clone()
