@@ -781,18 +781,21 @@ def _release_probe(collectives):
 
 
 def _spy_collectives(model_ref, collectives):
-    """Wrap the buffers' collectives to record (tensor, schedule position) of each call."""
-    for name in ("all_reduce", "reduce", "reduce_scatter_single"):
-        original = getattr(dist, name)
+    """Wrap the buffers' collectives to record (tensor, schedule position) of each call;
+    returns a function that puts the originals back."""
+    originals = {name: getattr(dist, name)
+                 for name in ("all_reduce", "reduce", "reduce_scatter_single")}
+    for name, original in originals.items():
 
-        def wrapped(tensor, *args, _original=original, _input_at=name, **kwargs):
-            buffer_tensor = args[0] if _input_at == "reduce_scatter_single" else tensor
+        def wrapped(tensor, *args, _original=original, _name=name, **kwargs):
+            buffer_tensor = args[0] if _name == "reduce_scatter_single" else tensor
             model = model_ref[0]
             if model is not None and model.schedule_trace:
                 collectives.append((buffer_tensor, model.schedule_trace[-1]))
             return _original(tensor, *args, **kwargs)
 
         setattr(dist, name, wrapped)
+    return lambda: [setattr(dist, name, fn) for name, fn in originals.items()]
 
 
 def _check_pipeline(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad=False,
@@ -801,32 +804,32 @@ def _check_pipeline(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_
     replicas = base.dp_degree * base.sharding_degree
     oracle_losses, oracle = _pipe_oracle(opt_name, steps, replicas * base.accumulate_steps * mbs,
                                          dtype, main_grad)
-    runs = {}
-    collectives, model_ref = [], [None]
-    _spy_collectives(model_ref, collectives)
-    for release in (False, True):
-        strategy = copy.deepcopy(base)
-        strategy.pp_configs.release_gradients = release
-        probe = _release_probe(collectives)
+    runs, collectives, model_ref = {}, [], [None]
+    restore = _spy_collectives(model_ref, collectives)
+    try:
+        for release in (False, True):
+            strategy = copy.deepcopy(base)
+            strategy.pp_configs.release_gradients = release
+            probe = _release_probe(collectives)
 
-        def tracked(model, opt, data, step):
-            model_ref[0] = model
-            return probe(model, opt, data, step)
+            def tracked(model, opt, data, step, probe=probe):
+                model_ref[0] = model
+                return probe(model, opt, data, step)
 
-        losses, traj, model = _pipe_run(hcg, strategy, opt_name, steps, mbs, wrap, dtype,
-                                        main_grad, tracked)
-        runs[release] = (losses, traj)
-        part = _stage_slice(model, hcg)
-        tol = dict(rtol=0, atol=2e-2) if main_grad else dict(rtol=1e-5, atol=1e-6)
-        for loss, got, want_loss, want in zip(losses, traj, oracle_losses, oracle):
-            assert _same_on_all([loss], hcg.get_pipe_parallel_group())
-            mean = loss.clone()
-            dist.all_reduce(mean)
-            torch.testing.assert_close(mean / dist.get_world_size(), want_loss, **tol)
-            for g, w in zip(got, want[part]):
-                torch.testing.assert_close(g.float(), w.float(), **tol)
-    for name in ("all_reduce", "reduce", "reduce_scatter_single"):  # undo the spies
-        setattr(dist, name, getattr(dist, name).__kwdefaults__["_original"])
+            losses, traj, model = _pipe_run(hcg, strategy, opt_name, steps, mbs, wrap, dtype,
+                                            main_grad, tracked)
+            runs[release] = (losses, traj)
+            part = _stage_slice(model, hcg)
+            tol = dict(rtol=0, atol=2e-2) if main_grad else dict(rtol=1e-5, atol=1e-6)
+            for loss, got, want_loss, want in zip(losses, traj, oracle_losses, oracle):
+                assert _same_on_all([loss], hcg.get_pipe_parallel_group())
+                mean = loss.clone()
+                dist.all_reduce(mean)
+                torch.testing.assert_close(mean / dist.get_world_size(), want_loss, **tol)
+                for g, w in zip(got, want[part]):
+                    torch.testing.assert_close(g.float(), w.float(), **tol)
+    finally:
+        restore()
     (l_off, t_off), (l_on, t_on) = runs[False], runs[True]
     assert all(torch.equal(a, b) for a, b in zip(l_off, l_on))
     assert all(torch.equal(a, b) for s_off, s_on in zip(t_off, t_on) for a, b in zip(s_off, s_on))
