@@ -162,6 +162,10 @@ class _Sharding(_Wrapper):
         # Paddle ORs a sharding-side `release_gradients` flag into it.
         self.pp_release_grads = (pp_config.release_gradients
                                  or sharding_config.release_gradients)
+        # Under pipeline overlap the buffers are the pipeline's, built with the PP flag alone;
+        # whether their grads may be dropped follows that flag, not the sharding-side one.
+        self._buffers_released = (pp_config.release_gradients if self.pp_overlap
+                                  else self.pp_release_grads)
         # HybridParallelOptimizer's dp all-reduce, unless the pipeline already overlapped it.
         self._dp_sync = (hcg.get_data_parallel_world_size() > 1
                          and not pp_config.dp_comm_overlap)
@@ -263,7 +267,7 @@ class DygraphShardingOptimizer(_Sharding):
         overlap) and release is off, dropping them would detach them from the buffer, so
         `set_to_zero=False` raises ValueError as v2 does.
         """
-        if not set_to_zero and self.pp_overlap and not self.pp_release_grads:
+        if not set_to_zero and self.pp_overlap and not self._buffers_released:
             raise ValueError(_ERASE_MSG)
         self._reduced = False
         for p in self._parameter_list:
@@ -299,6 +303,7 @@ class DygraphShardingOptimizerV2(_Sharding):
     def _build_comm_buffers(self, acc_steps, group_size=256 * 1024 * 1024):
         if self.pp_overlap:
             return  # the pipeline builds and fills the buffers
+        # Seed hunk: the buffers get `release_grads=self.pp_release_grads`.
         # Differs from Paddle, which asserts every param is trainable: frozen params stay out.
         params = [p for p in self._parameter_list if p.requires_grad]
         for idx, bucket in assign_group_by_size(params, group_size).items():
@@ -316,7 +321,7 @@ class DygraphShardingOptimizerV2(_Sharding):
         `_clear_dataptr` on `_slice_grad` frees them; in torch a stale view would keep the
         freed buffer alive.
         """
-        if not self.pp_release_grads and not set_to_zero:
+        if not self._buffers_released and not set_to_zero:
             raise ValueError(_ERASE_MSG)
         self._reduced = False
         for p in self._parameter_list:

@@ -1,0 +1,283 @@
+"""Rank-side checks of comm_buffer.py: layout, the three actions, lifetime, main grads, misuse."""
+import copy
+import gc
+import time
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from comm_buffer import HOOK_ACTION, FusedCommBuffer, bw_hook_func, register_main_grad_hooks
+from checks.common import (ACTIONS, _backward_int_grads, _new_params, _released, _slot)
+
+# ---------------------------------------------------------------- comm_buffer.py
+
+def _check_layout(rank, world):
+    """Offsets, padded sizes and buffer sizes follow Paddle's formulas."""
+    params = _new_params([(1000,), (8, 8), (3,)], torch.bfloat16)
+    buf = FusedCommBuffer(0, params, None, act=HOOK_ACTION.ALL_REDUCE, use_main_grad=True)
+    slots = [_slot(p.numel(), 2) for p in params]
+    assert slots == [1024, 128, 128]  # bf16: 1000 -> 1024 elements
+    assert [buf.param2offset[p] for p in params] == [0, 1024, 1152]
+    assert buf.buffer_size == sum(slots) and buf.grad_storage.dtype == torch.float32
+    assert buf.grad_storage.numel() == buf.buffer_size
+    assert params[1].main_grad.data_ptr() == buf.grad_storage[1024:].data_ptr()
+
+    # reduce-scatter: unit (256 / 2) * world; params straddle ranks; overlaps may be empty
+    params = _new_params([(300,), (10, 100), (20,)], torch.bfloat16)
+    before = [p.detach().clone() for p in params]
+    buf = FusedCommBuffer(0, params, None, act=HOOK_ACTION.REDUCE_SCATTER, release_grads=True)
+    unit = 128 * world
+    padded = [-(-p.numel() // unit) * unit for p in params]
+    assert buf.buffer_size == sum(padded) and buf.buffer_size % world == 0
+    shard = buf.buffer_size // world
+    lo, hi = rank * shard, (rank + 1) * shard
+    index, owners = 0, []
+    for p, size, old in zip(params, padded, before):
+        view = buf._sharding_param_grad_view[p]
+        assert (view._index, view._padded_size) == (index, size)
+        assert (view._param_begin, view._param_end) == (max(index, lo), min(index + size, hi))
+        assert view._has_local == (max(index, lo) < min(index + p.numel(), hi))
+        assert torch.equal(p, old) and p.data_ptr() == buf.param_storage[index:].data_ptr()
+        owners.append([r for r in range(world)
+                       if max(index, r * shard) < min(index + p.numel(), (r + 1) * shard)])
+        index += size
+    assert len(owners[1]) == 2, "the 1000-element param straddles two ranks"
+    assert any(rank not in o for o in owners), "some param does not touch this rank"
+    if world == 4:  # worked example of build_reduce_scatter_buffer's docstring
+        assert padded == [512, 1024, 512] and owners == [[0], [1, 2], [3]]
+
+
+def _check_actions(rank, world):
+    """Each action equals a per-param collective done by hand; release on == off, bitwise."""
+    shapes = [(7, 5), (13,), (3, 4, 2), (70,)]
+    for act in ACTIONS:
+        for acc in (1, 4):
+            results = {}
+            for release in (False, True):
+                params = _new_params(shapes)
+                dst = 1 if act == HOOK_ACTION.REDUCE else -1
+                buf = FusedCommBuffer(0, params, None, acc, act, dst, release_grads=release)
+                for p in params:
+                    p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+                results[release] = []
+                for step in range(3):
+                    local = [torch.zeros(s) for s in shapes]
+                    for k in range(acc):
+                        assert buf._task is None, "the collective fired before the last check-in"
+                        if release and k == 0:
+                            assert buf.grad_storage is None
+                        for acc_g, c in zip(local, _backward_int_grads(params, rank, step, k)):
+                            acc_g += c
+                    assert buf._task is not None, "the collective did not fire"
+                    buf.scale_grads()
+                    got = _expected_and_got(buf, params, local, act, rank, world)
+                    results[release].append(got)
+                    if release:
+                        buf._clear_grad_storage()
+                        assert all(p.grad is None for p in params)
+                    else:
+                        for p in params:
+                            p.grad.zero_()
+            for off, on in zip(results[False], results[True]):
+                assert torch.equal(off, on)
+
+
+def _expected_and_got(buf, params, local, act, rank, world):
+    """Compare the buffer's result with per-param collectives on the summed local grads."""
+    expected = []
+    for g in local:
+        g = g.clone()
+        if act == HOOK_ACTION.REDUCE:
+            dist.reduce(g, dst=1)
+        else:
+            dist.all_reduce(g)
+        expected.append(g / world)
+    if act == HOOK_ACTION.ALL_REDUCE or (act == HOOK_ACTION.REDUCE and rank == 1):
+        for p, e in zip(params, expected):
+            assert torch.equal(p.grad, e), "fused result differs from per-param collective"
+        return torch.cat([p.grad.reshape(-1) for p in params])
+    if act == HOOK_ACTION.REDUCE:
+        return torch.zeros(0)
+    full = torch.zeros(buf.buffer_size)
+    for p, e in zip(params, expected):
+        index = buf._sharding_param_grad_view[p]._index
+        full[index : index + p.numel()] = e.reshape(-1)
+    shard = buf.buffer_size // world
+    mine = buf.grad_storage[rank * shard : (rank + 1) * shard]
+    assert torch.equal(mine, full[rank * shard : (rank + 1) * shard])
+    _assert_padding_zero(buf, params)
+    for p in params:
+        view = buf._sharding_param_grad_view[p]
+        if view._slice_grad is not None:
+            assert torch.equal(view._slice_grad, full[view._param_begin : view._param_end])
+    return mine.clone()
+
+
+def _assert_padding_zero(buf, params):
+    used = torch.zeros(buf.buffer_size, dtype=torch.bool)
+    for p in params:
+        index = buf._sharding_param_grad_view[p]._index
+        used[index : index + p.numel()] = True
+    assert torch.all(buf.grad_storage[~used] == 0), "grad padding is not zero"
+    assert torch.all(buf.param_storage[~used] == 0), "param padding is not zero"
+
+
+def _check_lifetime(rank, world):
+    """Release on: absent before each step's first check-in, one allocation per step, freed
+    after release. Release off: one buffer at one address that every grad shares."""
+    for act in ACTIONS:
+        params = _new_params([(33,), (5, 5)])
+        dst = 0 if act == HOOK_ACTION.REDUCE else -1
+        buf = FusedCommBuffer(0, params, None, 2, act, dst, release_grads=True)
+        for p in params:
+            p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+        zeros, calls = torch.zeros, []
+
+        def counting_zeros(*args, **kwargs):
+            calls.append(args)
+            return zeros(*args, **kwargs)
+
+        for step in range(3):
+            assert buf.grad_storage is None
+            torch.zeros = counting_zeros
+            try:
+                for k in range(2):
+                    _backward_int_grads(params, rank, step, k)
+            finally:
+                torch.zeros = zeros
+            assert [c for c in calls if c[0] == buf.buffer_size] == [(buf.buffer_size,)]
+            calls.clear()
+            buf.scale_grads()
+            old = weakref.ref(buf.grad_storage)
+            for p in params:
+                p.grad = None  # the caller drops the grads (clear_grad(set_to_zero=False))
+            buf._clear_grad_storage()
+            assert _released(old), "the released buffer is still alive"
+        buf._clear_grad_storage()  # documented no-op: nothing allocated this step
+
+        params = _new_params([(33,), (5, 5)])
+        buf = FusedCommBuffer(0, params, None, 2, act, dst, release_grads=False)
+        for p in params:
+            p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+        address = buf.grad_storage.data_ptr()
+        for step in range(3):
+            for k in range(2):
+                _backward_int_grads(params, rank, step, k)
+            buf.scale_grads()
+            assert buf.grad_storage.data_ptr() == address
+            for p in params:
+                assert p.grad.untyped_storage().data_ptr() == address
+                p.grad.zero_()
+
+
+def _check_main_grad(rank, world):
+    """bf16 params, fp32 main_grad, 2 micro-batches of 128 and 0.5: exactly 128.5."""
+    one = torch.ones((), dtype=torch.bfloat16)
+    assert (one * 128 + one * 0.5).item() == 128.0, "bf16 alone would lose the 0.5"
+    for act in (HOOK_ACTION.ALL_REDUCE, HOOK_ACTION.REDUCE_SCATTER):
+        outs = []
+        for release in (False, True):
+            (p,) = _new_params([(6,)], torch.bfloat16)
+            register_main_grad_hooks([p])
+            buf = FusedCommBuffer(0, [p], None, 2, act, release_grads=release)
+            assert buf.use_main_grad and (release or buf.grad_storage.dtype == torch.float32)
+            p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+            for step in range(3):
+                for scale in (128.0, 0.5):
+                    (p * scale).sum().backward()
+                    assert p.grad is None
+                buf.scale_grads()
+                assert p.main_grad.dtype == torch.float32
+                if act == HOOK_ACTION.ALL_REDUCE:
+                    assert torch.all(p.main_grad == 128.5)
+                view = (buf._sharding_param_grad_view[p]
+                        if act == HOOK_ACTION.REDUCE_SCATTER else None)
+                if view is not None and view._slice_grad is not None:
+                    assert torch.all(view._slice_grad[: max(0, 6 - view._param_begin)] == 128.5)
+                outs.append(buf.grad_storage.clone())
+                if release:
+                    p.main_grad = None
+                    buf._clear_grad_storage()
+                else:
+                    p.main_grad.zero_()
+        assert all(torch.equal(a, b) for a, b in zip(outs[:3], outs[3:]))
+
+
+def _check_misuse(rank, world):
+    """Bad arguments and misuse raise clear errors on every rank."""
+    params = _new_params([(4,), (3,)])
+    with pytest.raises(ValueError, match="act must be"):
+        FusedCommBuffer(0, params, None, act=None)
+    with pytest.raises(ValueError, match="act must be"):
+        FusedCommBuffer(0, params, None, act=7)
+    with pytest.raises(ValueError, match="needs dst"):
+        FusedCommBuffer(0, params, None, act=HOOK_ACTION.REDUCE)
+    with pytest.raises(ValueError, match="only meaningful with act=REDUCE"):
+        FusedCommBuffer(0, params, None, act=HOOK_ACTION.ALL_REDUCE, dst=0)
+    with pytest.raises(ValueError, match="fuse_param=True and release_grads=True"):
+        FusedCommBuffer(0, params, None, act=HOOK_ACTION.ALL_REDUCE, fuse_param=True,
+                        release_grads=True)
+    with pytest.raises(ValueError, match="at least one param"):
+        FusedCommBuffer(0, [], None, act=HOOK_ACTION.ALL_REDUCE)
+    buf = FusedCommBuffer(0, params, None, act=HOOK_ACTION.ALL_REDUCE)
+    with pytest.raises(ValueError, match="not in bucket"):
+        buf.add_grad(nn.Parameter(torch.zeros(4)))
+    for p in params:
+        p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+    params[0].grad = params[0].grad * 2  # out of place: the grad leaves its slot
+    with pytest.raises(ValueError, match="address of the grad"):
+        sum(p.sum() for p in params).backward()
+    with pytest.raises(RuntimeError, match=r"no collective in flight.*missing: #0 \(0 of 1\)"):
+        buf.scale_grads()
+    with pytest.raises(RuntimeError, match="release_grads=False: its grad buffer must persist"):
+        buf._clear_grad_storage()
+    for acc_steps in (0, 2.5):
+        with pytest.raises(ValueError, match="acc_steps must be an int >= 1"):
+            FusedCommBuffer(0, _new_params([(4,)]), None, acc_steps, act=HOOK_ACTION.ALL_REDUCE)
+    with pytest.raises(ValueError, match="do not require grad"):
+        FusedCommBuffer(0, [torch.zeros(3)], None, act=HOOK_ACTION.ALL_REDUCE)
+    with pytest.raises(ValueError, match=f"dst={world} must be the global rank of a member"):
+        FusedCommBuffer(0, _new_params([(4,)]), None, act=HOOK_ACTION.REDUCE, dst=world)
+
+    # release on, used by hand: each skipped part of the step raises at the next check-in
+    params = _new_params([(4,), (3,)])
+    buf = FusedCommBuffer(0, params, None, 2, act=HOOK_ACTION.ALL_REDUCE, release_grads=True)
+    for p in params:
+        p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+    for _ in range(2):
+        _backward_int_grads(params, rank, 0, 0)
+    buf.scale_grads()
+    for p in params:
+        p.grad = None  # the optimizer's zero_grad(), but no _clear_grad_storage()
+    with pytest.raises(ValueError, match="new step started while last step's grad buffer"):
+        _backward_int_grads(params, rank, 1, 0)
+    buf._clear_grad_storage()
+    _backward_int_grads(params, rank, 1, 0)
+    for p in params:
+        p.grad = None  # zero_grad() between micro-batches
+    with pytest.raises(ValueError, match="address of the grad"):
+        _backward_int_grads(params, rank, 1, 1)
+    buf._clear_grad_storage()  # drops the half step: its check-ins go with it
+    for k in range(2):
+        _backward_int_grads(params, rank, 2, k)
+    buf.scale_grads()
+
+    # main-grad hooks registered after the buffer's: add_grad would read a stale main_grad
+    (p,) = _new_params([(6,)], torch.bfloat16)
+    p.main_grad = None
+    buf = FusedCommBuffer(0, [p], None, 2, act=HOOK_ACTION.ALL_REDUCE, release_grads=True)
+    p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+    register_main_grad_hooks([p])
+    with pytest.raises(ValueError, match="must be registered before the buffer's hooks"):
+        p.sum().backward()
+    # fuse_param (without release) moves params into one flat buffer
+    fused = _new_params([(4,), (3,)])
+    values = [p.detach().clone() for p in fused]
+    buf = FusedCommBuffer(0, fused, None, act=HOOK_ACTION.ALL_REDUCE, fuse_param=True)
+    assert fused[1].data_ptr() == buf.param_storage[buf.param2offset[fused[1]]:].data_ptr()
+    assert all(torch.equal(p, v) for p, v in zip(fused, values))
+

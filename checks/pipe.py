@@ -1,0 +1,305 @@
+"""Rank-side checks of pipeline.py: 1F1B against one process, release, collectives, errors."""
+import copy
+import gc
+import time
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from comm_buffer import FusedCommBuffer
+from pipeline import PipelineParallel
+from relgrad import HybridCommunicateGroup
+from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
+from checks.common import (OPTIMIZERS, PIPE_SIZES, _data, _mlp, _mse, _pipe_layers, _released,
+                           _same_on_all, _strategy)
+
+
+def _expected_1f1b(stages, stage, acc):
+    warm = min(stages - stage - 1, acc)
+    trace = [("F", k) for k in range(warm)]
+    for i in range(acc - warm):
+        trace += [("F", warm + i), ("B", i)]
+    return trace + [("B", acc - warm + j) for j in range(warm)]
+
+
+def _pipe_run(hcg, strategy, opt_name, steps, mbs, wrap=None, dtype=torch.float32,
+              main_grad=False, probe=None):
+    """Train a pipeline; return (losses, params after each step, model) of this rank."""
+    model = PipelineParallel(_pipe_layers(dtype, main_grad), hcg, strategy, _mse)
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    if wrap:
+        opt = wrap(opt, hcg, strategy)
+    acc = strategy.accumulate_steps
+    replicas = strategy.dp_degree * strategy.sharding_degree
+    replica = hcg.get_data_parallel_rank() * strategy.sharding_degree \
+        + hcg.get_sharding_parallel_rank()
+    losses, traj = [], []
+    for step in range(steps):
+        x, y = (t.chunk(replicas)[replica].to(dtype)
+                for t in _data(step, replicas * acc * mbs, PIPE_SIZES[0], PIPE_SIZES[-1]))
+        losses.append(probe(model, opt, (x, y), step) if probe else model.train_batch((x, y), opt))
+        traj.append([p.detach().clone() for p in model.parameters()])
+        assert model.schedule_trace == _expected_1f1b(model.num_stages, model.stage_id, acc)
+    return losses, traj, model
+
+
+def _pipe_oracle(opt_name, steps, batch, dtype=torch.float32, main_grad=False):
+    model = nn.Sequential(*_pipe_layers(dtype, main_grad))
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    if main_grad:
+        opt = MixPrecisionOptimizer(opt)
+    losses, traj = [], []
+    for step in range(steps):
+        x, y = (t.to(dtype) for t in _data(step, batch, PIPE_SIZES[0], PIPE_SIZES[-1]))
+        loss = _mse(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        traj.append([p.detach().clone() for p in model.parameters()])
+    return losses, traj
+
+
+def _stage_slice(model, hcg):
+    """Indices of this stage's params within the whole model's parameter list."""
+    counts = [len(list(layer.parameters())) for layer in _pipe_layers()]
+    bounds = [len(counts) * s // model.num_stages for s in range(model.num_stages + 1)]
+    s = hcg.get_stage_id()
+    return slice(sum(counts[: bounds[s]]), sum(counts[: bounds[s + 1]]))
+
+
+def _release_probe(collectives, release):
+    """train_batch, checking the buffers' life and when each bucket's collective fires.
+    `release` is what the test's strategy asked for, never read back from the model."""
+    def probe(model, opt, data, step):
+        buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]
+        assert not release or all(b.grad_storage is None for b in buffers)
+        first_copy = []
+        original = FusedCommBuffer._copy_grad_to_buffer
+
+        def spy(self, param):
+            first_copy.append(self.grad_storage is None)
+            return original(self, param)
+
+        FusedCommBuffer._copy_grad_to_buffer = spy
+        collectives.clear()
+        try:
+            model._prepare_training(opt, None)
+            model.train()
+            loss = model.forward_backward_pipeline(data)
+        finally:
+            FusedCommBuffer._copy_grad_to_buffer = original
+        buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]
+        last = ("B", model.accumulate_steps - 1)
+        for b in buffers:  # one collective per bucket, in the last micro-batch's backward
+            assert [when for t, when in collectives if t is b.grad_storage] == [last]
+        if release and buffers:
+            assert first_copy[0] is True and first_copy.count(True) == len(buffers)
+        collectives.clear()  # it holds the buffers too
+        storages = [weakref.ref(b.grad_storage) for b in buffers]
+        model._optimizer_step()
+        if release:
+            assert all(b.grad_storage is None for b in buffers)
+            assert _released(*storages), "a released buffer is still alive"
+            assert all(p.grad is None and getattr(p, "main_grad", None) is None
+                       for p in model.parameters()), "release leaves no grad behind"
+            model.eval_batch(data)
+            assert all(b.grad_storage is None for b in buffers)
+        return loss
+    return probe
+
+
+def _spy_collectives(model_ref, collectives):
+    """Wrap the buffers' collectives to record (tensor, schedule position) of each call;
+    returns a function that puts the originals back."""
+    originals = {name: getattr(dist, name)
+                 for name in ("all_reduce", "reduce", "reduce_scatter_single")}
+    for name, original in originals.items():
+
+        def wrapped(tensor, *args, _original=original, _name=name, **kwargs):
+            buffer_tensor = args[0] if _name == "reduce_scatter_single" else tensor
+            model = model_ref[0]
+            if model is not None and model.schedule_trace:
+                collectives.append((buffer_tensor, model.schedule_trace[-1]))
+            return _original(tensor, *args, **kwargs)
+
+        setattr(dist, name, wrapped)
+    return lambda: [setattr(dist, name, fn) for name, fn in originals.items()]
+
+
+def _check_pipeline(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad=False,
+                    steps=3, mbs=2):
+    """Release off and on: per step equal to one process, and bitwise equal to each other."""
+    replicas = base.dp_degree * base.sharding_degree
+    oracle_losses, oracle = _pipe_oracle(opt_name, steps, replicas * base.accumulate_steps * mbs,
+                                         dtype, main_grad)
+    runs, collectives, model_ref = {}, [], [None]
+    restore = _spy_collectives(model_ref, collectives)
+    try:
+        for release in (False, True):
+            strategy = copy.deepcopy(base)
+            strategy.pp_configs.release_gradients = release
+            probe = _release_probe(collectives, release)
+
+            def tracked(model, opt, data, step, probe=probe):
+                model_ref[0] = model
+                return probe(model, opt, data, step)
+
+            losses, traj, model = _pipe_run(hcg, strategy, opt_name, steps, mbs, wrap, dtype,
+                                            main_grad, tracked)
+            runs[release] = (losses, traj)
+            part = _stage_slice(model, hcg)
+            tol = dict(rtol=0, atol=2e-2) if main_grad else dict(rtol=1e-5, atol=1e-6)
+            for loss, got, want_loss, want in zip(losses, traj, oracle_losses, oracle):
+                assert _same_on_all([loss], hcg.get_pipe_parallel_group())
+                mean = loss.clone()
+                dist.all_reduce(mean)
+                torch.testing.assert_close(mean / dist.get_world_size(), want_loss, **tol)
+                for g, w in zip(got, want[part]):
+                    torch.testing.assert_close(g.float(), w.float(), **tol)
+    finally:
+        restore()
+    (l_off, t_off), (l_on, t_on) = runs[False], runs[True]
+    assert all(torch.equal(a, b) for a, b in zip(l_off, l_on))
+    assert all(torch.equal(a, b) for s_off, s_on in zip(t_off, t_on) for a, b in zip(s_off, s_on))
+
+
+_V1 = lambda opt, hcg, st: DygraphShardingOptimizer(opt, hcg, st)
+_V2 = lambda opt, hcg, st: DygraphShardingOptimizerV2(opt, hcg, st)
+
+
+def pp_sharding(rank, world, version, opt_name="adam", main_grad=False, overlap=True):
+    """pp 2 x sharding 2 (4 ranks), v1 or v2, sharding comm overlap on or off."""
+    strategy = _strategy(pp=2, sharding=2, acc=4, sharding_comm_overlap=overlap,
+                         split_param=version == 2)
+    hcg = HybridCommunicateGroup(strategy)
+    assert (hcg.get_stage_id(), hcg.get_sharding_parallel_rank()) == divmod(rank, 2)
+    assert hcg.get_rank_from_stage(1) == 2 + rank % 2
+    dtype = torch.bfloat16 if main_grad else torch.float32
+    _check_pipeline(hcg, strategy, _V2 if version == 2 else _V1, opt_name=opt_name,
+                    dtype=dtype, main_grad=main_grad)
+    return "ok"
+
+
+def sharding_flag_under_pp_overlap(rank, world):
+    """pp 2 x sharding 2, v2, sharding comm overlap, the later sharding-side release flag on
+    and the PP flag off: the pipeline built its buffers without release, so they persist at
+    one address (v2's clear_grad must leave them alone), dropping grads raises, and training
+    equals one process."""
+    strategy = _strategy(pp=2, sharding=2, acc=4, sharding_comm_overlap=True,
+                         split_param=True)
+    strategy.sharding_configs.release_gradients = True
+    hcg = HybridCommunicateGroup(strategy)
+    addresses = []
+
+    def probe(model, opt, data, step):
+        loss = model.train_batch(data, opt)
+        buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]
+        assert buffers and all(b.grad_storage is not None for b in buffers)
+        addresses.append([b.grad_storage.data_ptr() for b in buffers])
+        return loss
+
+    losses, traj, model = _pipe_run(hcg, strategy, "sgd", 3, 2, _V2, probe=probe)
+    assert addresses[0] == addresses[1] == addresses[2]
+    _, oracle = _pipe_oracle("sgd", 3, 2 * 4 * 2)
+    for got, want in zip(traj, oracle):
+        for g, w in zip(got, want[_stage_slice(model, hcg)]):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="should not erase grad buffer"):
+        model.optimizer.zero_grad()  # set_to_none=True would detach grads from the buffers
+    return "ok"
+
+
+def pp_dp(rank, world, overlap):
+    """pp 2 x dp 2 (4 ranks), dp comm overlap on (Adam) or off (SGD: Adam would hide 1/dp)."""
+    strategy = _strategy(dp=2, pp=2, acc=4, dp_comm_overlap=overlap)
+    hcg = HybridCommunicateGroup(strategy)
+    if overlap:
+        _check_pipeline(hcg, strategy, None)
+    else:
+        _check_pipeline(hcg, strategy, None, opt_name="sgd", steps=2)
+    return "ok"
+
+
+def paramless_first_stage(rank, world):
+    """Explicit boundaries; a first stage without params builds no buffer and still runs."""
+    strategy = _strategy(dp=2, pp=2, acc=4, dp_comm_overlap=True)
+    hcg = HybridCommunicateGroup(strategy)
+    torch.manual_seed(5)
+    layers = [nn.Tanh(), nn.Linear(6, 4)]
+    oracle = copy.deepcopy(nn.Sequential(*layers))
+    model = PipelineParallel(layers, hcg, strategy, _mse, seg_boundaries=[0, 1, 2])
+    assert list(model._layers) == [layers[hcg.get_stage_id()]]
+    assert bool(model._chunk_2_comm_buffers) == (hcg.get_stage_id() == 1)
+    x, y = _data(0, 16, 6, 4)
+    model.forward_backward_pipeline(tuple(t.chunk(2)[hcg.get_data_parallel_rank()]
+                                          for t in (x, y)))
+    _mse(oracle(x), y).backward()
+    for got, want in zip(model.parameters(), oracle[1].parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-7)
+    return "ok"
+
+
+def pp_only(rank, world, delay_scale_loss):
+    """pp 2 (2 ranks), SGD, with or without delay_scale_loss."""
+    strategy = _strategy(pp=2, acc=4, delay_scale_loss=delay_scale_loss)
+    _check_pipeline(HybridCommunicateGroup(strategy), strategy, None, opt_name="sgd")
+    return "ok"
+
+
+def loss_scaled_once(rank, world):
+    """4 micro-batches of 1 sample == 1 micro-batch of 4 samples: the loss is scaled once."""
+    hcg = HybridCommunicateGroup(_strategy(pp=2, acc=4))
+    grads = []
+    for acc, mbs in ((4, 1), (1, 4)):
+        model = PipelineParallel(_pipe_layers(), hcg, _strategy(pp=2, acc=acc), _mse)
+        model.forward_backward_pipeline(_data(0, 4, PIPE_SIZES[0], PIPE_SIZES[-1]))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    return "ok"
+
+
+def eval_and_errors(rank, world):
+    """eval_batch equals one process; a bad batch and bad overlap configs raise."""
+    strategy = _strategy(pp=2, acc=4)
+    hcg = HybridCommunicateGroup(strategy)
+    model = PipelineParallel(_pipe_layers(), hcg, strategy, _mse)
+    assert len(model._layers) == (3, 4)[hcg.get_stage_id()]  # 7 layers: [0, 3) and [3, 7)
+    x, y = _data(0, 8, PIPE_SIZES[0], PIPE_SIZES[-1])
+    want = _mse(nn.Sequential(*_pipe_layers())(x), y)
+    torch.testing.assert_close(model.eval_batch((x, y)), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="does not split into accumulate_steps=4"):
+        model.train_batch((x[:6], y[:6]), torch.optim.SGD(model.parameters(), lr=0.1))
+    for flags, match in (({"dp_comm_overlap": True}, "dp_comm_overlap needs dp_degree > 1"),
+                         ({"sharding_comm_overlap": True}, "needs sharding_degree > 1"),
+                         ({"dp_comm_overlap": True, "sharding_comm_overlap": True},
+                          "cannot both be on")):
+        with pytest.raises(ValueError, match=match):
+            PipelineParallel(_pipe_layers(), hcg, _strategy(pp=2, acc=4, **flags), _mse)
+    return "ok"
+
+
+def _failing_loss(out, y):
+    _failing_loss.calls = getattr(_failing_loss, "calls", 0) + 1
+    if _failing_loss.calls == 2:
+        raise RuntimeError("injected failure in the last stage")
+    return _mse(out, y)
+
+
+def _failing_worker(rank, world):
+    strategy = _strategy(pp=2, acc=4)
+    model = PipelineParallel(_pipe_layers(), HybridCommunicateGroup(strategy), strategy,
+                             _failing_loss)
+    model.train_batch(_data(0, 8, PIPE_SIZES[0], PIPE_SIZES[-1]),
+                      torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _hanging_worker(rank, world):
+    if rank == 0:
+        dist.recv(torch.zeros(1), src=1)  # rank 1 never sends
+
