@@ -1,48 +1,34 @@
-"""relgrad: Paddle's `release_gradients` (PR #59739) in torch: config, topology, launcher, demo.
+"""relgrad: Paddle's `release_gradients` (PR #59739) in torch: config, topology, launcher, CLI.
 
 Mirrors the `PpConfig` / `DygraphShardingConfig` messages of
 `paddle/fluid/framework/distributed_strategy.proto` and `HybridCommunicateGroup` of
 `python/paddle/distributed/fleet/base/topology.py` at commit 9b40c67f672f.
 
-`python relgrad.py` trains a small character-level language model on real text (this repo's own
-files) with pipeline parallel x sharding on 4 local ranks, once with `release_gradients` off and
-once on, same seed and data. It prints both runs' loss per step, then per rank: the grad bytes
-held between steps (from the allocator, cross-checked with a count of live grad storages), peak
-bytes, step time, and whether the two runs are bitwise equal. Under `torchrun` it joins that job
-instead (nccl on GPUs, gloo otherwise). The launcher here also serves the tests.
+`python relgrad.py` is the main job: it starts pp x sharding x dp local processes that train a
+small character-level LM on real text (this repo's own files) once per release mode, off and
+on, same seed and data, and prints what each run held between steps and during one step, the
+step times and whether the runs are bitwise equal (`--peers`: the same LM under torch's DDP +
+ZeroRedundancyOptimizer and FSDP2 beside this repo's sharding v2). Under `torchrun` it joins
+that job instead (nccl on GPUs, gloo otherwise). The job itself lives in `demo/`; the launcher
+here also serves the tests.
 
 Leaves out: mp / sep axes, the interleaved schedule, checkpointing.
 
 References: Paddle PRs #59739, #64517; PaddleNLP PR #7594 (`enable_release_grads`).
 """
 import argparse
-import ctypes
-import gc
 import json
 import os
 import pickle
-import statistics
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
-from functools import partial
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch import nn
-
-from comm_buffer import register_main_grad_hooks
-from pipeline import PipelineParallel
-from sharding import (DygraphShardingOptimizer, DygraphShardingOptimizerV2,
-                      MixPrecisionOptimizer)
-
-HERE = Path(__file__).resolve().parent
 
 
 # ---- config: field names as in Paddle's distributed_strategy.proto ----
@@ -252,298 +238,59 @@ def _rank_entry(rank, fn, world_size, port, args, out_dir, timeout):
     dist.destroy_process_group()
 
 
-# ---- memory, measured by the allocator and counted by us ----
+# ---- the command line: the main job ----
 
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-
-def allocator_in_use_bytes(device):
-    """Bytes in use: `torch.cuda.memory_allocated` on GPU; glibc `mallinfo2` on CPU (heap
-    chunks in use + mmapped chunks: torch's CPU tensors come from malloc). None elsewhere."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    mallinfo2 = getattr(ctypes.CDLL(None), "mallinfo2", None)
-    if mallinfo2 is None:
-        return None
-    mallinfo2.restype = _Mallinfo2
-    info = mallinfo2()
-    return info.uordblks + info.hblkhd
-
-
-class _PeakSampler:
-    """Peak bytes during a block: the CUDA allocator's peak, or on CPU the highest
-    `allocator_in_use_bytes` seen by a thread sampling every 0.5 ms."""
-
-    def __init__(self, device):
-        self.device, self.peak = device, None
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return self
-        self._stop = threading.Event()
-        self.peak = allocator_in_use_bytes(self.device) or 0
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.0005):
-            self.peak = max(self.peak, allocator_in_use_bytes(self.device))
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-        else:
-            self._stop.set()
-            self._thread.join()
-
-
-def live_grad_bytes(model, optimizer, buffers):
-    """Bytes of the distinct storages behind every grad, main_grad, slice grad and buffer."""
-    tensors = []
-    params = list(model.parameters()) + [p for g in optimizer.param_groups for p in g["params"]]
-    params += list(getattr(optimizer, "_slice_params", {}).values())
-    for p in params:
-        tensors += [p.grad, getattr(p, "main_grad", None)]
-    for buffer in buffers:
-        tensors.append(buffer.grad_storage)
-        for view in getattr(buffer, "_sharding_param_grad_view", {}).values():
-            tensors += [view._slice_grad, view._grad_buffer]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors if t is not None}
-    return sum(storages.values())
-
-
-# ---- the demo model: a decoder-only character-level LM, as a list of pipeline layers ----
-
-class Embedding(nn.Module):
-    """Token plus learned position embeddings: the first pipeline layer."""
-
-    def __init__(self, vocab, d_model, block_size):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(block_size, d_model)
-
-    def forward(self, idx):  # (B, T) int64 -> (B, T, d_model)
-        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-
-
-class Block(nn.Module):
-    """A pre-norm transformer block with a causal mask (torch's TransformerEncoderLayer)."""
-
-    def __init__(self, d_model, n_head):
-        super().__init__()
-        self.layer = nn.TransformerEncoderLayer(d_model, n_head, 4 * d_model, dropout=0.0,
-                                                batch_first=True, norm_first=True)
-
-    def forward(self, x):  # (B, T, d_model) -> same, each position sees only its past
-        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], x.device, x.dtype)
-        return self.layer(x, src_mask=mask, is_causal=True)
-
-
-class Head(nn.Module):
-    """Final layer norm and projection to vocabulary logits: the last pipeline layer."""
-
-    def __init__(self, d_model, vocab):
-        super().__init__()
-        self.norm, self.proj = nn.LayerNorm(d_model), nn.Linear(d_model, vocab)
-
-    def forward(self, x):  # (B, T, d_model) -> logits (B, T, vocab)
-        return self.proj(self.norm(x))
-
-
-def lm_loss(logits, targets):
-    """Mean cross entropy of (B, T, vocab) logits against (B, T) int64 targets, in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-def _seeded_layer(seed, main_grad, device, cls, *args):
-    """Build one layer from its own seed (same weights on any stage), on its device and, for
-    --main-grad, in bf16 with fp32 main grads: all before the pipeline builds grad buffers
-    (moving a module afterwards would move its grads out of their buffer)."""
-    torch.manual_seed(seed)
-    layer = cls(*args).to(device)
-    if main_grad:
-        layer.to(torch.bfloat16)
-        register_main_grad_hooks(layer.parameters())
-    return layer
-
-
-def lm_layers(vocab, opts, device):
-    """The LM as a list of layer builders for PipelineParallel (each stage builds its own)."""
-    d, seed, main_grad = opts["d_model"], opts["seed"], opts["main_grad"]
-    specs = ([(Embedding, vocab, d, opts["block"])] + [(Block, d, 4)] * opts["layers"]
-             + [(Head, d, vocab)])
-    return [partial(_seeded_layer, seed + i, main_grad, device, *spec)
-            for i, spec in enumerate(specs)]
-
-
-def load_text(path=None):
-    """Real text on this machine: `path`, or this repo's own sources and README."""
-    paths = [Path(path)] if path else sorted(HERE.glob("*.py")) + sorted(HERE.glob("*.md"))
-    return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in paths)
-
-
-# ---- the job: each rank trains twice, release off then on ----
-
-def train_job(rank, world_size, opts):
-    """Per-rank body of the demo: a short warm-up run, then one run per release mode; returns
-    this rank's measurements and its stage's final params, per mode."""
-    device = torch.device(opts.get("device") or "cpu")
-    text = load_text(opts["data"])
-    vocab = sorted(set(text))
-    ids = torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
-    hcg = HybridCommunicateGroup(make_strategy(opts, release=False))
-    out = {"rank": rank, "stage": hcg.get_stage_id(), "modes": {}, "params": {}}
-    # A process's first run keeps tens of MB for good (gloo pairs, autograd and kernel
-    # state) and its second some 30 KB more; two discarded one-step runs keep that out of
-    # both measured runs, whose order then no longer matters.
-    for _ in range(2):
-        _train_once({**opts, "steps": 1}, make_strategy(opts, False), hcg, ids, len(vocab),
-                    device)
-    for mode in ("off", "on"):
-        strategy = make_strategy(opts, release=mode == "on")
-        out["modes"][mode], out["params"][mode] = _train_once(opts, strategy, hcg, ids,
-                                                              len(vocab), device)
-    return out
-
-
-def make_strategy(opts, release):
-    """The demo's HybridStrategy: overlap where Paddle allows it, and the given release flag."""
-    sharding = opts["sharding"]
-    return HybridStrategy(
-        dp_degree=opts["dp"], pp_degree=opts["pp"], sharding_degree=sharding,
-        accumulate_steps=opts["micro_batches"], micro_batch_size=opts["micro_batch_size"],
-        pp_configs=PpConfig(
-            release_gradients=release,
-            sharding_comm_overlap=opts["overlap"] and sharding > 1 and opts["pp"] > 1,
-            dp_comm_overlap=opts["overlap"] and sharding == 1 and opts["dp"] > 1
-            and opts["pp"] > 1),
-        sharding_configs=DygraphShardingConfig(split_param=opts["split_param"]))
-
-
-def _train_once(opts, strategy, hcg, ids, vocab, device):
-    gc.collect()
-    start_bytes = allocator_in_use_bytes(device)  # idle bytes are counted from here
-    model = PipelineParallel(lm_layers(vocab, opts, device), hcg, strategy, lm_loss)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opts["lr"], weight_decay=0.01)
-    if strategy.sharding_degree > 1:
-        cls = DygraphShardingOptimizerV2 if opts["split_param"] else DygraphShardingOptimizer
-        optimizer = cls(optimizer, hcg, strategy)
-    elif opts["main_grad"]:
-        optimizer = MixPrecisionOptimizer(optimizer)
-    replicas = strategy.dp_degree * strategy.sharding_degree
-    replica = hcg.get_data_parallel_rank() * strategy.sharding_degree \
-        + hcg.get_sharding_parallel_rank()
-    local = opts["micro_batch_size"] * opts["micro_batches"]
-    m = {"losses": [], "idle_alloc": [], "idle_counted": [], "peak": [], "step_time": []}
-    for step in range(opts["steps"]):
-        gen = torch.Generator().manual_seed(opts["seed"] * 1000 + step)  # same data every run
-        starts = torch.randint(0, len(ids) - opts["block"] - 1, (replicas * local,),
-                               generator=gen)[replica * local : (replica + 1) * local]
-        x = torch.stack([ids[s : s + opts["block"]] for s in starts.tolist()]).to(device)
-        y = torch.stack([ids[s + 1 : s + 1 + opts["block"]] for s in starts.tolist()]).to(device)
-        with _PeakSampler(device) as peak:
-            start = time.perf_counter()
-            loss = model.train_batch((x, y), optimizer)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            m["step_time"].append(time.perf_counter() - start)
-        gc.collect()  # between steps: what stays alive is what the run holds on to
-        buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]
-        buffers += getattr(optimizer, "_comm_buffer_list", [])
-        m["losses"].append(float(loss))
-        in_use = allocator_in_use_bytes(device)
-        m["idle_alloc"].append(None if in_use is None else in_use - start_bytes)
-        m["idle_counted"].append(live_grad_bytes(model, optimizer, buffers))
-        m["peak"].append(None if in_use is None else peak.peak - start_bytes)
-    return m, [p.detach().cpu().clone() for p in model.parameters()]
-
-
-# ---- report ----
-
-def summarize(results, opts):
-    """Fold the ranks' measurements into the JSON object that `--json` prints."""
-    ranks = sorted(results, key=lambda r: r["rank"])
-    modes = {}
-    for mode in ("off", "on"):
-        ms = [r["modes"][mode] for r in ranks]
-        steps = range(opts["steps"])
-        after1 = slice(1, None) if opts["steps"] > 1 else slice(None)
-        modes[mode] = {
-            "losses": [statistics.fmean(m["losses"][s] for m in ms) for s in steps],
-            "idle_grad_bytes_counted": [max(m["idle_counted"][after1]) for m in ms],
-            "idle_grad_bytes_allocator": [_median_or_none(m["idle_alloc"][after1]) for m in ms],
-            "peak_bytes": [_max_or_none(m["peak"]) for m in ms],
-            "step_time_s": statistics.median(max(m["step_time"][s] for m in ms)
-                                             for s in list(steps)[after1]),
-        }
-    equal = all(r["modes"]["off"]["losses"] == r["modes"]["on"]["losses"]
-                and all(torch.equal(a, b) for a, b in zip(r["params"]["off"], r["params"]["on"]))
-                for r in ranks)
-    config = {k: v for k, v in opts.items() if k != "device"}
-    return {"config": config, "stages": [r["stage"] for r in ranks], "modes": modes,
-            "bitwise_equal": equal}
-
-
-def _median_or_none(values):
-    return None if None in values else int(statistics.median(values))
-
-
-def _max_or_none(values):
-    return None if None in values else max(values)
-
-
-def _kib(n):
-    return "n/a" if n is None else f"{n / 1024:,.1f}"
-
-
-def print_report(summary):
-    """Print the per-rank table, step times and the bitwise verdict of `summarize`'s output."""
-    off, on = summary["modes"]["off"], summary["modes"]["on"]
-    print("\nper rank, KiB above each run's start (idle: between steps after step 1, "
-          "median; allocator: in-use bytes)")
-    print(f"{'rank':>4} {'stage':>5} | {'idle alloc off':>14} {'on':>10} {'off-on':>10} | "
-          f"{'counted off':>11} {'on':>6} | {'peak off':>10} {'on':>10}")
-    for r, stage in enumerate(summary["stages"]):
-        a_off, a_on = off["idle_grad_bytes_allocator"][r], on["idle_grad_bytes_allocator"][r]
-        diff = None if None in (a_off, a_on) else a_off - a_on
-        print(f"{r:>4} {stage:>5} | {_kib(a_off):>14} {_kib(a_on):>10} {_kib(diff):>10} | "
-              f"{_kib(off['idle_grad_bytes_counted'][r]):>11} "
-              f"{_kib(on['idle_grad_bytes_counted'][r]):>6} | "
-              f"{_kib(off['peak_bytes'][r]):>10} {_kib(on['peak_bytes'][r]):>10}")
-    t_off, t_on = off["step_time_s"], on["step_time_s"]
-    print(f"median step time: off {t_off * 1e3:.1f} ms, on {t_on * 1e3:.1f} ms, "
-          f"on/off {t_on / t_off:.3f}")
-    print(f"loss: {off['losses'][0]:.4f} -> {off['losses'][-1]:.4f}; release off vs on "
-          f"bitwise equal (losses and final params): {summary['bitwise_equal']}")
+_DESCRIPTION = """\
+The main job: start pp x sharding x dp local processes (gloo ranks on 127.0.0.1; under torchrun,
+join its job instead) that train a small character-level transformer LM on this repo's own
+text, once per release mode (release_gradients off, on), the runs in turns step by step, same
+seed and data. Prints each step's loss, what ran (strategy, fused grad buffers per rank),
+per rank the bytes each run holds between steps and at its peak (from the allocator), where
+the memory goes within one step, the step times (median and spread, off vs on), and whether
+the runs are bitwise equal. --peers instead trains the same LM under this repo's sharding v2
+and torch's DDP + ZeroRedundancyOptimizer and FSDP2 (2 processes) and compares them."""
 
 
 def parse_args(argv=None):
-    """Parse and check the flags (argparse errors exit with status 2); returns (args, opts)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pp", type=int, default=2, help="pipeline stages")
-    p.add_argument("--sharding", type=int, default=2, help="sharding degree")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
-    p.add_argument("--split-param", action="store_true", help="sharding v2 (default v1)")
+    """Parse and check the flags (argparse errors exit with status 2); returns (args, opts).
+
+    `opts` is the dict of flags the ranks read; `opts["modes"]` lists the release modes to
+    run (demo.job.MODES), baseline first. A new mode takes one flag here, e.g.
+    `p.add_argument("--x", dest="modes", action="append_const", const="x", help=...)`.
+    """
+    p = argparse.ArgumentParser(prog="relgrad.py", description=_DESCRIPTION,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages (pp_degree)")
+    p.add_argument("--sharding", type=int, default=2, help="ZeRO-1 shards (sharding_degree)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (dp_degree)")
+    p.add_argument("--split-param", action="store_true",
+                   help="sharding v2 (flat param shards, reduce-scatter); default v1")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
-                   help="pipeline comm overlap (sharding, or dp without sharding)")
+                   help="pipeline comm overlap where the layout allows it: sharding overlap "
+                   "with sharding > 1 and pp > 1, dp overlap with dp > 1, pp > 1, sharding 1")
     p.add_argument("--main-grad", action="store_true", help="bf16 params, fp32 main grads")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences")
+    p.add_argument("--steps", type=int, default=30, help="training steps per run")
+    p.add_argument("--micro-batches", type=int, default=4,
+                   help="micro-batches per step (accumulate_steps)")
+    p.add_argument("--micro-batch-size", type=int, default=4,
+                   help="sequences per micro-batch and data replica")
     p.add_argument("--block", type=int, default=64, help="sequence length, characters")
-    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=64, help="model width (4 attention heads)")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--data", help="a text file (default: this repo's sources and README)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds, local launch")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds before the local processes are killed")
+    p.add_argument("--peers", action="store_true",
+                   help="compare with torch's DDP + ZeroRedundancyOptimizer and FSDP2 instead: "
+                   "sharding 2 without pipeline, 2 processes")
+    p.add_argument("--trace", metavar="FILE",
+                   help="also write a Chrome trace (Perfetto, chrome://tracing) of the runs")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
-    p.add_argument("--json", action="store_true", help="print one JSON object only")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object only (schema: demo/report.py, demo/peers.py)")
+    p.set_defaults(modes=["off", "on"])
     args = p.parse_args(argv)
     for flag in ("pp", "sharding", "dp", "steps", "micro_batches", "micro_batch_size", "layers"):
         if getattr(args, flag) < 1:
@@ -554,6 +301,11 @@ def parse_args(argv=None):
         p.error(f"--d-model must be a multiple of the 4 attention heads, got {args.d_model}")
     if args.pp > args.layers + 2:
         p.error(f"--pp {args.pp} exceeds the {args.layers + 2} layers; add --layers")
+    if args.peers and ((args.pp, args.sharding, args.dp) != (2, 2, 1) or args.main_grad):
+        p.error("--peers runs one layout, sharding 2 without pipeline in fp32 on 2 processes; "
+                f"got --pp {args.pp} --sharding {args.sharding} --dp {args.dp}"
+                f"{' --main-grad' if args.main_grad else ''}: drop those flags")
+    from demo.lm import load_text  # the demo imports this module: import it once we run
     try:
         chars = len(load_text(args.data))
     except OSError as e:
@@ -561,15 +313,20 @@ def parse_args(argv=None):
     if chars < args.block + 2:
         p.error(f"the text has {chars} characters; --block {args.block} needs at least "
                 f"{args.block + 2}: pass a longer --data file or a smaller --block")
-    opts = {k: v for k, v in vars(args).items() if k not in ("quiet", "json", "timeout")}
+    opts = {k: v for k, v in vars(args).items()
+            if k not in ("quiet", "json", "timeout", "peers")}
     return args, opts
 
 
 def main(argv=None):
-    """Run the demo locally (own ranks) or inside torchrun; print the report; return the
-    exit status."""
+    """Run the main job (or --peers) locally (own ranks) or inside torchrun; print the
+    report; return the exit status."""
     args, opts = parse_args(argv)
-    world = args.pp * args.sharding * args.dp
+    from demo import job, peers, report, trace
+    if args.peers:
+        fn, world, shown = peers.peers_job, 2, peers
+    else:
+        fn, world, shown = job.train_job, args.pp * args.sharding * args.dp, report
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join that job
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
@@ -579,7 +336,7 @@ def main(argv=None):
         _quiet_flight_recorder()
         dist.init_process_group(backend)
         rank = dist.get_rank()
-        result = train_job(rank, dist.get_world_size(), opts)
+        result = fn(rank, dist.get_world_size(), opts)
         gathered = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
         dist.destroy_process_group()
@@ -588,20 +345,21 @@ def main(argv=None):
         results = gathered
     else:
         try:
-            make_strategy(opts, release=False).check_world_size(world)
-            results = launch(train_job, world, (opts,), timeout=args.timeout)
+            if not args.peers:
+                job.make_strategy(opts).check_world_size(world)
+            results = launch(fn, world, (opts,), timeout=args.timeout)
         except mp.ProcessRaisedException as e:
             print(f"relgrad: a rank failed; its traceback:{e}", file=sys.stderr)
             return 1
-    summary = summarize(results, opts)
+    summary = shown.summarize(results, opts)
+    if args.trace:
+        trace.write_chrome_trace(args.trace, [r["trace"] for r in results])
     if args.json:
         print(json.dumps(summary))
         return 0
-    if not args.quiet:
-        for s, (a, b) in enumerate(zip(summary["modes"]["off"]["losses"],
-                                       summary["modes"]["on"]["losses"])):
-            print(f"step {s + 1:3d}  loss release off {a:.6f}  on {b:.6f}")
-    print_report(summary)
+    shown.print_report(summary, steps=not args.quiet)
+    if args.trace:
+        print(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     return 0
 
 

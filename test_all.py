@@ -26,8 +26,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import comm_buffer
-from checks import fused_buffer, pipe, zero
-from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch, live_grad_bytes)
+from checks import demo_peers, fused_buffer, pipe, zero
+from demo.memory import live_grad_bytes
+from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch)
 
 # Seconds a scenario may run on its ranks; a hang fails the test instead of blocking the suite.
 TIMEOUT = float(os.environ.get("RELGRAD_TEST_TIMEOUT", 120))
@@ -350,31 +351,137 @@ def _run_json(cmd):
     return json.loads(done.stdout)  # exactly one JSON object on stdout
 
 
-def test_main_job_json():
-    """Check the demo end to end: off and on bitwise equal, 0 idle grad bytes with release on
-    and the whole buffer with it off, the allocator agreeing with our count."""
+# The --json schema (demo/report.py): keys of the object and of each mode.
+_TOP_KEYS = {"config", "stages", "phases", "baseline", "modes", "bitwise_equal"}
+_MODE_KEYS = {"losses", "idle_bytes_allocator", "idle_grad_bytes_counted", "peak_bytes",
+              "phase_bytes", "step_time_s", "step_time_iqr_s", "step_times_s"}
+_OTHER_MODE_KEYS = _MODE_KEYS | {"idle_grad_bytes_allocator", "step_time_ratio", "bitwise_equal"}
+_PHASES = ["step start", "before 1st backward", "after 1st backward", "after last backward",
+           "after collectives", "after optimizer step", "after release"]
+
+
+def _check_schema(result, world, steps):
+    assert set(result) == _TOP_KEYS and result["baseline"] == "off"
+    assert result["phases"] == _PHASES and len(result["stages"]) == world
+    assert set(result["modes"]["off"]) == _MODE_KEYS
+    assert set(result["modes"]["on"]) == _OTHER_MODE_KEYS
+    for mode in result["modes"].values():
+        assert len(mode["losses"]) == len(mode["step_times_s"]) == steps
+        for key in ("idle_bytes_allocator", "idle_grad_bytes_counted", "peak_bytes",
+                    "phase_bytes"):
+            assert len(mode[key]) == world, key
+        assert all(len(p) == len(_PHASES) for p in mode["phase_bytes"])
+    ratio = result["modes"]["on"]["step_time_ratio"]
+    assert set(ratio) == {"median", "iqr", "steps", "verdict"} and ratio["steps"] == steps - 1
+    assert result["config"]["processes"] == world
+
+
+def test_main_job_json(tmp_path):
+    """Check the demo end to end: --json schema, off and on bitwise equal, 0 idle grad bytes
+    with release on and the whole buffer with it off (allocator agreeing with our count), the
+    buffer gone between steps only, the effective config, and the --trace file."""
+    trace = tmp_path / "trace.json"
     result = _run_json([sys.executable, "relgrad.py", "--json", "--steps", "6", "--layers", "2",
-                        "--d-model", "128", "--block", "32", "--micro-batch-size", "2"])
+                        "--d-model", "128", "--block", "32", "--micro-batch-size", "2",
+                        "--trace", str(trace)])
+    _check_schema(result, 4, 6)
     off, on = result["modes"]["off"], result["modes"]["on"]
     assert result["bitwise_equal"] is True and off["losses"] == on["losses"]
+    assert on["bitwise_equal"] is True
     assert len(off["losses"]) == 6 and off["losses"][-1] < off["losses"][0]
     assert all(n == 0 for n in on["idle_grad_bytes_counted"])
     assert all(n > 100_000 for n in off["idle_grad_bytes_counted"])
-    for counted, a_off, a_on in zip(off["idle_grad_bytes_counted"],
-                                    off["idle_grad_bytes_allocator"],
-                                    on["idle_grad_bytes_allocator"]):
-        assert abs((a_off - a_on) - counted) <= 0.05 * counted, (a_off - a_on, counted)
+    for counted, freed in zip(off["idle_grad_bytes_counted"], on["idle_grad_bytes_allocator"]):
+        assert abs(freed - counted) <= 0.05 * counted, (freed, counted)
     assert off["step_time_s"] > 0 and on["step_time_s"] > 0
+    # effective config: sharding overlap ran, so every rank holds pipeline REDUCE buffers whose
+    # bytes are what our count finds behind the grads with release off
+    config = result["config"]
+    assert config["pp_configs"]["sharding_comm_overlap"] is True
+    assert config["pp_configs"]["dp_comm_overlap"] is False
+    assert config["optimizer"] == "DygraphShardingOptimizer(AdamW)"
+    assert config["modes"] == {"off": {}, "on": {"pp_configs.release_gradients": True}}
+    for buffers, counted in zip(config["fused_buffers"], off["idle_grad_bytes_counted"]):
+        assert buffers and all(b["owner"] == "pipeline" and b["action"] == "reduce"
+                               for b in buffers)
+        assert sum(b["bytes"] for b in buffers) == counted
+    # phases: with release the buffer is there from the first backward to the step's end only
+    start, after_step, after_release = (_PHASES.index(p) for p in (
+        "step start", "after optimizer step", "after release"))
+    for p_off, p_on, counted in zip(off["phase_bytes"], on["phase_bytes"],
+                                    off["idle_grad_bytes_counted"]):
+        for phase in (start, after_release):
+            assert abs(p_off[phase] - p_on[phase] - counted) <= 0.1 * counted, (phase, p_off,
+                                                                                 p_on)
+        assert abs(p_off[after_step] - p_on[after_step]) <= 0.1 * counted, (p_off, p_on)
+    _check_trace(json.loads(trace.read_text()), 4, 4)
+
+
+def _check_trace(trace, world, micro_batches):
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert sorted(names) == list(range(world))
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e["name"] == "thread_name"}
+    assert set(threads.values()) == {"release off", "release on"}
+    for pid in range(world):
+        assert any(e["ph"] == "C" and e["pid"] == pid for e in events)
+        for tid, release in ((0, "zero grads"), (1, "release")):
+            spans = {e["name"] for e in events if e["ph"] == "X" and e["pid"] == pid
+                     and e["tid"] == tid and e["dur"] >= 0}
+            wanted = {f"F{k}" for k in range(micro_batches)} | {f"B{k}" for k in
+                                                                 range(micro_batches)}
+            assert wanted | {"step 1", "optimizer step", release} <= spans, (pid, tid, spans)
 
 
 def test_torchrun_json():
-    """Check `relgrad.py` joins a torchrun job (the several-machines path) and reports."""
+    """Check `relgrad.py` joins a torchrun job (the several-machines path) and reports the
+    effective config: pp 2 without sharding or dp has no overlap and no fused buffers."""
     result = _run_json([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "2", "relgrad.py", "--json", "--pp", "2",
                         "--sharding", "1", "--steps", "3", "--layers", "2", "--block", "32"])
+    _check_schema(result, 2, 3)
     assert result["bitwise_equal"] is True and result["stages"] == [0, 1]
     assert result["modes"]["on"]["idle_grad_bytes_counted"] == [0, 0]
     assert all(n > 0 for n in result["modes"]["off"]["idle_grad_bytes_counted"])
+    config = result["config"]
+    assert not config["pp_configs"]["sharding_comm_overlap"]
+    assert not config["pp_configs"]["dp_comm_overlap"]
+    assert config["fused_buffers"] == [[], []] and config["optimizer"] == "AdamW"
+    assert ".grad" in config["release_frees"]
+    after_collectives = _PHASES.index("after collectives")
+    assert all(p[after_collectives] is None for p in result["modes"]["off"]["phase_bytes"])
+
+
+def test_cli_help_and_effective_strategy(capsys):
+    """Check --help describes the command with every default, and the strategy that runs has
+    overlap only where the layout allows it (--pp 1: none), whatever --overlap says."""
+    import relgrad
+    from demo.job import make_strategy
+    with pytest.raises(SystemExit):
+        relgrad.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "pp x sharding x dp local processes" in text
+    options = text.split("options:", 1)[1]
+    for flag in ("--steps", "--micro-batches", "--d-model", "--lr", "--seed", "--pp"):
+        entry = options.split(flag + " ", 1)[1].split(" --", 1)[0]
+        assert "(default: " in entry, (flag, entry)
+    for argv, sharding_overlap, dp_overlap in (
+            ([], True, False), (["--pp", "1"], False, False),
+            (["--sharding", "1", "--dp", "2"], False, True),
+            (["--pp", "1", "--sharding", "1", "--dp", "2"], False, False),
+            (["--no-overlap"], False, False)):
+        _, opts = relgrad.parse_args(argv)
+        for mode, release in (("off", False), ("on", True)):
+            pp_configs = make_strategy(opts, mode).pp_configs
+            assert (pp_configs.sharding_comm_overlap, pp_configs.dp_comm_overlap,
+                    pp_configs.release_gradients) == (sharding_overlap, dp_overlap, release), argv
+
+
+def test_peers_agree(ranks):
+    """Check --peers' systems on one tiny LM: DDP + ZeRO bitwise equal to sharding v2, FSDP2
+    within 1e-6, and v2 with release holding about the grad bytes less between steps."""
+    ranks(2).run(demo_peers.peers_agree)
 
 
 def test_cli_errors():

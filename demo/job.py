@@ -1,0 +1,215 @@
+"""The main job: train the LM once per release mode, the runs in turns, measuring each one.
+
+Each rank builds one run per mode (`MODES`: release off, on), all alive at once, and trains them
+in turns, step by step, in the order A B B A A B ... so that neither mode always runs first
+while the machine's load drifts. Each run's bytes come from the allocator by difference
+(`memory.Ledger`), so a run is not charged for the others. Per step and run it records the
+loss, the bytes held between steps, our own count of grad bytes, the peak during the step, the
+step's wall time and, for the latest step, the bytes at each phase boundary
+(`phases.PHASES`). The runs see the same data and start from the same weights, so release off
+and on must end bitwise equal.
+
+To add a mode: one line in MODES (the config fields it sets) and one flag in relgrad.py that
+appends its name to `opts["modes"]`. A layout rule (which overlap runs where) is one line in
+`make_strategy`.
+"""
+import dataclasses
+import gc
+import time
+from functools import partial
+
+import torch
+
+from demo.lm import Corpus, lm_layers, lm_loss
+from demo.memory import Ledger, PeakSampler, allocator_in_use_bytes, live_grad_bytes
+from demo.phases import PipelineProbe, action_name, comm_buffers
+from demo.trace import Recorder
+from pipeline import PipelineParallel
+from relgrad import (DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig)
+from sharding import (DygraphShardingOptimizer, DygraphShardingOptimizerV2,
+                      MixPrecisionOptimizer)
+
+# Release modes: name -> the config fields ("section.field": value) the mode sets on top of
+# the layout's strategy. The first mode is the baseline the others are compared with.
+MODES = {
+    "off": {},
+    "on": {"pp_configs.release_gradients": True},
+}
+
+
+def make_strategy(opts, mode="off"):
+    """The HybridStrategy that runs for `opts` (the CLI's flags) and `mode`.
+
+    Comm overlap is on only where Paddle allows it and `--overlap` asks for it: sharding
+    overlap needs sharding > 1 and pp > 1; dp overlap needs dp > 1, pp > 1 and no sharding
+    (both at once is not allowed). So `--pp 1` runs without overlap whatever the flag says.
+    Raises ValueError (from the config classes) for a field value they reject.
+    """
+    pp, sharding, dp, overlap = opts["pp"], opts["sharding"], opts["dp"], opts["overlap"]
+    strategy = HybridStrategy(
+        dp_degree=dp, pp_degree=pp, sharding_degree=sharding,
+        accumulate_steps=opts["micro_batches"], micro_batch_size=opts["micro_batch_size"],
+        pp_configs=PpConfig(
+            sharding_comm_overlap=overlap and sharding > 1 and pp > 1,
+            dp_comm_overlap=overlap and sharding == 1 and dp > 1 and pp > 1),
+        sharding_configs=DygraphShardingConfig(split_param=opts["split_param"]))
+    for key, value in MODES[mode].items():
+        section, name = key.split(".")
+        config = getattr(strategy, section)
+        setattr(strategy, section, dataclasses.replace(config, **{name: value}))
+    return strategy
+
+
+def build_optimizer(model, strategy, hcg, opts):
+    """AdamW over the stage's params, wrapped by sharding v1 / v2 (sharding > 1) or, for
+    --main-grad without sharding, by MixPrecisionOptimizer."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opts["lr"], weight_decay=0.01)
+    if strategy.sharding_degree > 1:
+        cls = DygraphShardingOptimizerV2 if opts["split_param"] else DygraphShardingOptimizer
+        return cls(optimizer, hcg, strategy)
+    if opts["main_grad"]:
+        return MixPrecisionOptimizer(optimizer)
+    return optimizer
+
+
+class PipelineRun:
+    """This repo's system: PipelineParallel over the LM with `build_optimizer`'s optimizer.
+
+    `step(x, y)` runs `train_batch` on a (micro_batch_size * micro_batches, block) int64 batch
+    and returns the loss; `phase_bytes()`, `counted_grad_bytes()` and `buffers()` describe it.
+    """
+
+    def __init__(self, strategy, hcg, opts, vocab, device, ledger, recorder, tid):
+        self.strategy = strategy
+        self.model = PipelineParallel(lm_layers(vocab, opts, device), hcg, strategy, lm_loss)
+        self.optimizer = build_optimizer(self.model, strategy, hcg, opts)
+        self.probe = PipelineProbe(self.model, self.optimizer, ledger, recorder, tid)
+
+    def step(self, x, y):
+        self.probe.start_step()
+        return self.model.train_batch((x, y), self.optimizer)
+
+    def phase_bytes(self):
+        return self.probe.bytes
+
+    def counted_grad_bytes(self):
+        return live_grad_bytes(self.model, self.optimizer,
+                               comm_buffers(self.model, self.optimizer))
+
+    def params(self):
+        return [p.detach() for p in self.model.parameters()]
+
+    def buffers(self):
+        """Each fused grad buffer: who built it, its collective, params and bytes (when
+        allocated; with release they exist only from the first backward to the step's end)."""
+        own = set(map(id, getattr(self.optimizer, "_comm_buffer_list", [])))
+        pipeline = {id(b) for bs in self.model._chunk_2_comm_buffers.values() for b in bs}
+        out = []
+        for b in comm_buffers(self.model, self.optimizer):
+            dtype = torch.float32 if b.use_main_grad else b.params[0].dtype
+            out.append({"owner": "pipeline" if id(b) in pipeline else
+                        "sharding v2" if id(b) in own else "?",
+                        "action": action_name(b), "params": len(b.params),
+                        "bytes": b.buffer_size * dtype.itemsize})
+        return out
+
+
+def measure(builders, steps, batch, device, recorder):
+    """Build every run, then train them in turns for `steps` steps; return (runs, measures).
+
+    `builders`: name -> `build(ledger, recorder, tid)` returning a run with `step(x, y)`
+    (returns the loss), `params()`, and optionally `phase_bytes()`, `counted_grad_bytes()`.
+    `batch(step)` -> (x, y), the same for every run. Measures per run: per step `losses`,
+    `idle` (bytes held right after the step, garbage collected), `counted` (grad bytes by
+    our count), `peak` (bytes), `time` (seconds); `phases` of the latest step; `built`
+    (bytes after the build). Bytes are the run's own, above what was in use before its build.
+    """
+    runs, ledgers, out = {}, {}, {}
+    for tid, (name, build) in enumerate(builders.items()):
+        ledgers[name] = ledger = Ledger(device)
+        ledger.begin()
+        runs[name] = build(ledger, recorder, tid)
+        out[name] = {"built": ledger.end(), "losses": [], "idle": [], "counted": [],
+                     "peak": [], "time": [], "phases": None}
+    names = list(runs)
+    for step in range(steps):
+        x, y = batch(step)
+        for name in names if step % 2 == 0 else names[::-1]:  # A B, then B A
+            run, ledger, m = runs[name], ledgers[name], out[name]
+            ledger.begin()
+            with PeakSampler(ledger, recorder) as peak:
+                t0 = time.perf_counter_ns()
+                loss = float(run.step(x, y))  # float(): waits for the device
+                t1 = time.perf_counter_ns()
+            m["idle"].append(ledger.end())
+            recorder.counter(time.perf_counter_ns(), allocator_in_use_bytes(device) or 0)
+            recorder.span(f"step {step + 1}", names.index(name), t0, t1)
+            m["losses"].append(loss)
+            m["time"].append((t1 - t0) / 1e9)
+            m["peak"].append(peak.peak)
+            m["counted"].append(run.counted_grad_bytes()
+                                if hasattr(run, "counted_grad_bytes") else None)
+            if hasattr(run, "phase_bytes"):
+                m["phases"] = run.phase_bytes()
+    return runs, out
+
+
+def warm_up_then_measure(builders, steps, batch, device, trace):
+    """`measure` after two discarded one-step rounds of the same runs; returns the same.
+
+    A process's first runs keep tens of MB for good (gloo pairs, autograd and kernel state)
+    and its second some 30 KB more: the warm-up rounds keep that out of the measured runs.
+    Then the objects alive so far are frozen out of the garbage collector, which each
+    measurement runs (a full collection over torch's objects costs ~0.1 s; the frozen ones
+    are not collected, the runs' own garbage still is).
+    """
+    for _ in range(2):
+        measure(builders, 1, batch, device, Recorder(False))
+    gc.collect()
+    gc.freeze()
+    try:
+        recorder = Recorder(trace)
+        runs, measures = measure(builders, steps, batch, device, recorder)
+    finally:
+        gc.unfreeze()
+    return runs, measures, recorder
+
+
+def train_job(rank, world_size, opts):
+    """Per-rank body of the main job: one PipelineRun per mode in `opts["modes"]`, measured.
+
+    Returns this rank's {"rank", "stage", "runs": {mode: measures + "buffers"}, "equal":
+    {mode: losses and final params bitwise equal to the baseline's}, "trace": Chrome events
+    or None, "vocab", "stage_params" (elements), "optimizer" (its name)}.
+    """
+    device = torch.device(opts.get("device") or "cpu")
+    corpus = Corpus(opts)
+    hcg = HybridCommunicateGroup(make_strategy(opts))
+    replicas = opts["dp"] * opts["sharding"]
+    replica = hcg.get_data_parallel_rank() * opts["sharding"] + hcg.get_sharding_parallel_rank()
+    builders = {mode: partial(PipelineRun, make_strategy(opts, mode), hcg, opts,
+                              len(corpus.vocab), device) for mode in opts["modes"]}
+    runs, measures, recorder = warm_up_then_measure(
+        builders, opts["steps"], lambda step: corpus.batch(step, replica, replicas, device),
+        device, opts.get("trace") is not None)
+    base = opts["modes"][0]
+    equal = {mode: measures[mode]["losses"] == measures[base]["losses"]
+             and all(torch.equal(a, b) for a, b in zip(runs[mode].params(), runs[base].params()))
+             for mode in runs}
+    for mode, run in runs.items():
+        measures[mode]["buffers"] = run.buffers()
+    stage, first = hcg.get_stage_id(), runs[base]
+    trace = (recorder.chrome_events(rank, f"rank {rank} (stage {stage})",
+                                    [f"release {m}" for m in runs]) if recorder.enabled else None)
+    return {"rank": rank, "stage": stage, "runs": measures, "equal": equal, "trace": trace,
+            "vocab": len(corpus.vocab), "stage_params": sum(p.numel() for p in first.params()),
+            "optimizer": optimizer_name(first.optimizer)}
+
+
+def optimizer_name(optimizer):
+    """E.g. 'DygraphShardingOptimizer(AdamW)': the wrapper and the torch optimizer it steps."""
+    inner = getattr(optimizer, "_inner_opt", None)
+    while getattr(inner, "_inner_opt", None) is not None:  # v1 / v2 wrap MixPrecisionOptimizer
+        inner = inner._inner_opt
+    name = type(optimizer).__name__
+    return name if inner is None else f"{name}({type(inner).__name__})"

@@ -1,0 +1,117 @@
+"""Memory figures of the demo: the allocator's in-use bytes, a run's share of them, and our count.
+
+A process may hold several runs at once (release off and on, or several systems, trained in
+turns). The allocator only knows the process total, so each run's share is kept by difference
+(`Ledger`): right before one of its steps, everything that is not the run's is the total minus
+what the run held after its previous step; right after, the run holds the total minus that.
+Between its steps the other runs sit idle, so their bytes do not move. `live_grad_bytes` is an
+independent count of the grad storages alone, from the tensors themselves.
+"""
+import ctypes
+import gc
+import threading
+import time
+
+import torch
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+_MALLINFO2 = getattr(ctypes.CDLL(None), "mallinfo2", None)
+if _MALLINFO2 is not None:
+    _MALLINFO2.restype = _Mallinfo2
+
+
+def allocator_in_use_bytes(device):
+    """Bytes in use: `torch.cuda.memory_allocated` on GPU; glibc `mallinfo2` on CPU (heap
+    chunks in use + mmapped chunks: torch's CPU tensors come from malloc). None elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return info.uordblks + info.hblkhd
+
+
+class Ledger:
+    """The bytes one run holds, from the allocator, while other runs live in the same process.
+
+    `begin()` before the run's build or step; `now()` during it (this run's bytes at that
+    moment); `end()` after it: collects garbage and returns the bytes the run now holds. All
+    bytes are above what was in use before the run was built; None without an allocator figure.
+    """
+
+    def __init__(self, device):
+        self.device, self.held, self._others = device, 0, None
+
+    def begin(self):
+        total = allocator_in_use_bytes(self.device)
+        self._others = None if total is None else total - self.held
+
+    def now(self):
+        total = allocator_in_use_bytes(self.device)
+        return None if total is None or self._others is None else total - self._others
+
+    def end(self):
+        gc.collect()  # what stays alive is what the run holds on to
+        self.held = self.now()
+        return self.held
+
+
+class PeakSampler:
+    """The highest bytes of `ledger`'s run during a block: the CUDA allocator's peak, or on CPU
+    the highest in-use bytes seen by a thread sampling every 0.5 ms. With a `recorder`, the CPU
+    samples also go to its counter track (process-wide in-use bytes)."""
+
+    def __init__(self, ledger, recorder=None):
+        self.ledger, self.recorder, self.peak = ledger, recorder, None
+
+    def __enter__(self):
+        device = self.ledger.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            return self
+        self._stop = threading.Event()
+        self._total = allocator_in_use_bytes(device)
+        if self._total is not None:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self):
+        device, recorder = self.ledger.device, self.recorder
+        while not self._stop.wait(0.0005):
+            total = allocator_in_use_bytes(device)
+            self._total = max(self._total, total)
+            if recorder is not None:
+                recorder.counter(time.perf_counter_ns(), total)
+
+    def __exit__(self, *exc):
+        device, others = self.ledger.device, self.ledger._others
+        if device.type == "cuda":
+            self._total = torch.cuda.max_memory_allocated(device)
+        elif self._total is not None:
+            self._stop.set()
+            self._thread.join()
+        if self._total is not None and others is not None:
+            self.peak = self._total - others
+
+
+def live_grad_bytes(model, optimizer, buffers):
+    """Bytes of the distinct storages behind every grad, main_grad, slice grad and buffer."""
+    tensors = []
+    params = list(model.parameters()) + [p for g in optimizer.param_groups for p in g["params"]]
+    params += list(getattr(optimizer, "_slice_params", {}).values())
+    for p in params:
+        tensors += [p.grad, getattr(p, "main_grad", None)]
+    for buffer in buffers:
+        tensors.append(buffer.grad_storage)
+        for view in getattr(buffer, "_sharding_param_grad_view", {}).values():
+            tensors += [view._slice_grad, view._grad_buffer]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t is not None}
+    return sum(storages.values())

@@ -1,0 +1,258 @@
+"""`--peers`: this repo's sharding v2 beside what a torch user would pick instead.
+
+Trains the same LM on the same data with sharding 2 and no pipeline (2 processes, each its half
+of every batch, `micro_batches` micro-batches per step) under every system in `SYSTEMS`: this
+repo's sharding v2 with release off and on (PipelineParallel with one stage), torch's
+DistributedDataParallel(gradient_as_bucket_view=True) + ZeroRedundancyOptimizer(AdamW), and
+FSDP2 (`fully_shard` on every layer and the root). The runs live side by side and train in
+turns (`job.measure`), so the figures are the allocator's, each run's own, and the step times
+are paired. All start from the same weights; the losses and final params are compared with
+v2 off's: DDP + ZeRO computes the same sums in the same order (bitwise equal expected), FSDP2
+reduces in its own way (about 1e-7 apart).
+
+To add a system: one line in SYSTEMS, a builder `build(ctx, ledger, recorder, tid)` (ctx: a
+`Context`) returning a run with `step(x, y) -> loss` and `params()` (full tensors, in the
+layers' order).
+"""
+import contextlib
+import statistics
+import time
+import warnings
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from demo.job import PipelineRun, make_strategy, warm_up_then_measure
+from demo.lm import Corpus, lm_layers, lm_loss
+from demo.report import quartiles, time_ratio
+from relgrad import HybridCommunicateGroup
+
+_now = time.perf_counter_ns
+
+
+class Context:
+    """What every system's builder reads: `opts` (the peers' layout: sharding 2, v2, no
+    pipeline, no dp), the topology `hcg`, `vocab` (size), `device`, and `mesh`, a 1-D device
+    mesh of all ranks made on first use (making one per build would add a group each time)."""
+
+    def __init__(self, opts, vocab, device):
+        self.opts = {**opts, "pp": 1, "sharding": 2, "dp": 1, "split_param": True}
+        self.hcg = HybridCommunicateGroup(make_strategy(self.opts))
+        self.vocab, self.device, self._mesh = vocab, device, None
+
+    @property
+    def mesh(self):
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+            self._mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        return self._mesh
+
+
+def _v2(mode, ctx, ledger, recorder, tid):
+    """This repo's sharding v2 under release `mode` (job.MODES), one pipeline stage."""
+    return PipelineRun(make_strategy(ctx.opts, mode), ctx.hcg, ctx.opts, ctx.vocab, ctx.device,
+                       ledger, recorder, tid)
+
+
+class _TorchRun:
+    """The LM as one nn.Sequential trained by a plain accumulation loop: micro-batch k runs
+    forward and backward of `loss / micro_batches` (as PipelineParallel scales it), the grad
+    sync only on the last one; then the optimizer steps and `zero_grad()` drops the grads
+    (torch's default, set_to_none=True)."""
+
+    def _layers(self, ctx):
+        return [build() for build in lm_layers(ctx.vocab, ctx.opts, ctx.device)]
+
+    def _train(self, x, y, no_sync):
+        acc, total = self.acc, torch.zeros((), device=x.device)
+        for k, (xk, yk) in enumerate(zip(x.chunk(acc), y.chunk(acc))):
+            with no_sync(k < acc - 1):
+                t0 = _now()
+                loss = lm_loss(self.model(xk), yk).float() / acc
+                t1 = _now()
+                loss.backward()
+                self.recorder.span(f"F{k}", self.tid, t0, t1)
+                self.recorder.span(f"B{k}", self.tid, t1, _now())
+            total += loss.detach()
+        with self.recorder.timed("optimizer step", self.tid):
+            self.optimizer.step()
+        self.optimizer.zero_grad()
+        return total
+
+
+class DdpZeroRun(_TorchRun):
+    """torch's DistributedDataParallel(gradient_as_bucket_view=True) over the default group,
+    with ZeroRedundancyOptimizer(AdamW): each rank steps its share of the params."""
+
+    def __init__(self, ctx, ledger, recorder, tid):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+        self.acc, self.recorder, self.tid = ctx.opts["micro_batches"], recorder, tid
+        self.model = DistributedDataParallel(nn.Sequential(*self._layers(ctx)),
+                                             gradient_as_bucket_view=True)
+        self.optimizer = ZeroRedundancyOptimizer(
+            self.model.parameters(), optimizer_class=torch.optim.AdamW, lr=ctx.opts["lr"],
+            weight_decay=0.01)
+
+    def step(self, x, y):
+        return self._train(x, y, lambda skip: self.model.no_sync() if skip
+                           else contextlib.nullcontext())
+
+    def params(self):
+        return [p.detach() for p in self.model.module.parameters()]
+
+
+class Fsdp2Run(_TorchRun):
+    """torch's FSDP2: `fully_shard` on every layer, then the root, over a 1-D mesh of all
+    ranks; AdamW steps the sharded params (DTensors)."""
+
+    def __init__(self, ctx, ledger, recorder, tid):
+        from torch.distributed.fsdp import fully_shard
+        # FSDP2 warns that a layer returns a view (an in-place op on it would skip its
+        # backward hook); these layers' outputs are only read out of place.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+        self.acc, self.recorder, self.tid = ctx.opts["micro_batches"], recorder, tid
+        layers = self._layers(ctx)
+        self.model = nn.Sequential(*layers)
+        for layer in layers:
+            fully_shard(layer, mesh=ctx.mesh)
+        fully_shard(self.model, mesh=ctx.mesh)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=ctx.opts["lr"],
+                                           weight_decay=0.01)
+
+    def step(self, x, y):
+        def sync(skip):
+            self.model.set_requires_gradient_sync(not skip)
+            return contextlib.nullcontext()
+        return self._train(x, y, sync)
+
+    def params(self):  # full_tensor() all-gathers: every rank calls it, in the same order
+        return [p.detach().full_tensor() for p in self.model.parameters()]
+
+
+# name -> builder; the first is the baseline the others are compared with.
+SYSTEMS = {
+    "v2 release off": partial(_v2, "off"),
+    "v2 release on": partial(_v2, "on"),
+    "DDP + ZeRO": DdpZeroRun,
+    "FSDP2": Fsdp2Run,
+}
+
+
+def peers_job(rank, world_size, opts):
+    """Per-rank body of `--peers` (2 ranks): every system in SYSTEMS, measured in turns.
+
+    Returns {"rank", "runs": {system: measures}, "diff": {system: (max |loss diff|, max
+    |param diff|) against the baseline, this rank}, "params" (elements), "trace"}.
+    Raises ValueError unless world_size is 2.
+    """
+    if world_size != 2:
+        raise ValueError(f"--peers runs on 2 processes (sharding 2), got {world_size}")
+    device = torch.device(opts.get("device") or "cpu")
+    corpus = Corpus(opts)
+    ctx = Context(opts, len(corpus.vocab), device)
+    builders = {name: partial(build, ctx) for name, build in SYSTEMS.items()}
+    runs, measures, recorder = warm_up_then_measure(
+        builders, opts["steps"], lambda step: corpus.batch(step, rank, world_size, device),
+        device, opts.get("trace") is not None)
+    base = next(iter(runs))
+    base_params = runs[base].params()
+    diff = {}
+    for name, run in runs.items():
+        losses = zip(measures[name]["losses"], measures[base]["losses"])
+        diff[name] = (max(abs(a - b) for a, b in losses),
+                      max(float((a - b).abs().max()) for a, b in zip(run.params(), base_params)))
+    trace = (recorder.chrome_events(rank, f"rank {rank}", list(runs)) if recorder.enabled
+             else None)
+    return {"rank": rank, "runs": measures, "diff": diff, "trace": trace,
+            "params": sum(p.numel() for p in base_params)}
+
+
+def summarize(results, opts):
+    """The `--peers --json` object:
+
+        config    processes, layout, steps, micro_batches, micro_batch_size, model params,
+                  grad_bytes (G: the whole model's fp32 grads, bytes), systems (names)
+        baseline  the system the others are compared with ("v2 release off")
+        systems   per system:
+          idle_bytes_allocator  per rank: bytes the run holds between steps (median after
+                                step 1), from the allocator, above the run's start
+          peak_bytes            per rank: highest bytes during a step
+          idle_G, peak_G        the largest rank's of the two, divided by G
+          losses                per step, mean over the 2 data halves
+          step_time_s, step_time_iqr_s   median and [q1, q3] of the slower rank's step time
+          step_time_ratio       (not the baseline) per step over the baseline's, see
+                                report.time_ratio
+          loss_max_abs_diff, param_max_abs_diff   against the baseline, over steps and ranks
+          bitwise_equal         both are 0
+    """
+    ranks = sorted(results, key=lambda r: r["rank"])
+    steps = range(opts["steps"])
+    after1 = slice(1, None) if opts["steps"] > 1 else slice(None)
+    names = list(ranks[0]["runs"])
+    grad_bytes = ranks[0]["params"] * 4
+    times = {n: [max(r["runs"][n]["time"][s] for r in ranks) for s in steps] for n in names}
+    systems = {}
+    for name in names:
+        ms = [r["runs"][name] for r in ranks]
+        idle = [_median(m["idle"][after1]) for m in ms]
+        peak = [None if None in m["peak"] else max(m["peak"]) for m in ms]
+        q1, median, q3 = quartiles(times[name][after1])
+        loss_diff = max(r["diff"][name][0] for r in ranks)
+        param_diff = max(r["diff"][name][1] for r in ranks)
+        systems[name] = {
+            "idle_bytes_allocator": idle, "peak_bytes": peak,
+            "idle_G": None if None in idle else max(idle) / grad_bytes,
+            "peak_G": None if None in peak else max(peak) / grad_bytes,
+            "losses": [sum(m["losses"][s] for m in ms) / len(ms) for s in steps],
+            "step_time_s": median, "step_time_iqr_s": [q1, q3],
+            "step_time_ratio": None if name == names[0] else time_ratio(
+                times[name][after1], times[names[0]][after1], name, names[0]),
+            "loss_max_abs_diff": loss_diff, "param_max_abs_diff": param_diff,
+            "bitwise_equal": loss_diff == 0 and param_diff == 0,
+        }
+    config = {"processes": len(ranks), "layout": "sharding 2 (v2 for this repo), no pipeline",
+              "steps": opts["steps"], "micro_batches": opts["micro_batches"],
+              "micro_batch_size": opts["micro_batch_size"], "params": ranks[0]["params"],
+              "grad_bytes": grad_bytes, "systems": names}
+    return {"config": config, "baseline": names[0], "systems": systems}
+
+
+def _median(values):
+    return None if None in values else int(statistics.median(values))
+
+
+def print_report(summary, steps=True):
+    """Print the per-step losses (if `steps`) and one line per system."""
+    systems, base = summary["systems"], summary["baseline"]
+    config = summary["config"]
+    if steps:
+        for s in range(config["steps"]):
+            print(f"step {s + 1:3d}  loss " + "  ".join(
+                f"{name} {v['losses'][s]:.6f}" for name, v in systems.items()))
+    print(f"\npeers: the same LM ({config['params']:,} params) and data, {config['layout']}, "
+          f"{config['processes']} processes, {config['steps']} steps;\nG = the model's fp32 "
+          f"grad bytes = {config['grad_bytes'] / 1024:,.1f} KiB; bytes from the allocator, "
+          "the larger rank's, above each run's start")
+    print(f"{'system':<16} {'between steps':>13} {'peak':>7} | {'step time / ' + base:>26} | "
+          "loss and params vs " + base)
+    for name, v in systems.items():
+        ratio = v["step_time_ratio"]
+        time_text = ("1 (baseline)" if ratio is None else
+                     f"{ratio['median']:.2f} ({ratio['iqr'][0]:.2f}-{ratio['iqr'][1]:.2f})")
+        agree = ("-" if name == base else "bitwise equal" if v["bitwise_equal"] else
+                 f"max |diff| loss {v['loss_max_abs_diff']:.1e}, "
+                 f"params {v['param_max_abs_diff']:.1e}")
+        print(f"{name:<16} {_g(v['idle_G']):>13} {_g(v['peak_G']):>7} | {time_text:>26} | "
+              f"{agree}")
+    print("step time: median of per-step ratios to the baseline (middle half); the runs "
+          "trained in turns")
+    for name, v in systems.items():
+        if v["step_time_ratio"] is not None:
+            print(f"  {name}: {v['step_time_ratio']['verdict']}")
+
+
+def _g(value):
+    return "n/a" if value is None else f"{value:.2f} G"
