@@ -251,6 +251,13 @@ the runs are bitwise equal. --peers instead trains the same LM under this repo's
 and torch's DDP + ZeroRedundancyOptimizer and FSDP2 (2 processes) and compares them."""
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where there is none to show (None)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv=None):
     """Parse and check the flags (argparse errors exit with status 2); returns (args, opts).
 
@@ -259,12 +266,12 @@ def parse_args(argv=None):
     `p.add_argument("--x", dest="modes", action="append_const", const="x", help=...)`.
     """
     p = argparse.ArgumentParser(prog="relgrad.py", description=_DESCRIPTION,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_HelpFormatter)
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (pp_degree)")
     p.add_argument("--sharding", type=int, default=2, help="ZeRO-1 shards (sharding_degree)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (dp_degree)")
     p.add_argument("--split-param", action="store_true",
-                   help="sharding v2 (flat param shards, reduce-scatter); default v1")
+                   help="sharding v2 (flat param shards, reduce-scatter) instead of v1")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="pipeline comm overlap where the layout allows it: sharding overlap "
                    "with sharding > 1 and pp > 1, dp overlap with dp > 1, pp > 1, sharding 1")
@@ -279,7 +286,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
-    p.add_argument("--data", help="a text file (default: this repo's sources and README)")
+    p.add_argument("--data", metavar="FILE",
+                   help="a text file to train on (default: this repo's sources and README)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds before the local processes are killed")
     p.add_argument("--peers", action="store_true",

@@ -393,6 +393,13 @@ def test_main_job_json(tmp_path):
     assert all(n > 100_000 for n in off["idle_grad_bytes_counted"])
     for counted, freed in zip(off["idle_grad_bytes_counted"], on["idle_grad_bytes_allocator"]):
         assert abs(freed - counted) <= 0.05 * counted, (freed, counted)
+    # Each run is charged for its own bytes only: its params (P bytes, = the buffer bytes
+    # counted with release off), AdamW's two states for the half it owns (~P) and, with
+    # release off, the buffer (P). Charging one run for the other's would show ~2P more.
+    for counted, held_off, held_on in zip(off["idle_grad_bytes_counted"],
+                                          off["idle_bytes_allocator"], on["idle_bytes_allocator"]):
+        assert 2.6 * counted < held_off < 3.5 * counted, (held_off, counted)
+        assert 1.6 * counted < held_on < 2.5 * counted, (held_on, counted)
     assert off["step_time_s"] > 0 and on["step_time_s"] > 0
     # effective config: sharding overlap ran, so every rank holds pipeline REDUCE buffers whose
     # bytes are what our count finds behind the grads with release off
@@ -480,8 +487,27 @@ def test_cli_help_and_effective_strategy(capsys):
 
 def test_peers_agree(ranks):
     """Check --peers' systems on one tiny LM: DDP + ZeRO bitwise equal to sharding v2, FSDP2
-    within 1e-6, and v2 with release holding about the grad bytes less between steps."""
-    ranks(2).run(demo_peers.peers_agree)
+    within 1e-6, v2 with release holding about the grad bytes less between steps; and the
+    --peers --json schema."""
+    from demo import peers
+    results = ranks(2).run(demo_peers.peers_agree)
+    summary = peers.summarize(results, demo_peers.OPTS)
+    assert set(summary) == {"config", "baseline", "systems"}
+    assert summary["baseline"] == "v2 release off"
+    assert summary["config"]["grad_bytes"] == 4 * results[0]["params"]
+    systems = summary["systems"]
+    assert list(systems) == ["v2 release off", "v2 release on", "DDP + ZeRO", "FSDP2"]
+    keys = {"idle_bytes_allocator", "peak_bytes", "idle_G", "peak_G", "losses", "step_time_s",
+            "step_time_iqr_s", "step_time_ratio", "loss_max_abs_diff", "param_max_abs_diff",
+            "bitwise_equal"}
+    assert all(set(v) == keys for v in systems.values())
+    assert systems["v2 release off"]["step_time_ratio"] is None
+    assert systems["DDP + ZeRO"]["bitwise_equal"] is True
+    # between steps release frees the grads (FSDP2's own figure is mostly bookkeeping at this
+    # size: the full-size run shows it sharding the params too)
+    off, on = (systems[n]["idle_G"] for n in ("v2 release off", "v2 release on"))
+    assert on < off - 0.8, (off, on)
+    peers.print_report(summary)
 
 
 def test_cli_errors():

@@ -81,8 +81,7 @@ class PipelineProbe:
         self._backwards += 1
         if self._backwards == 1:
             self._mark(2)
-        if self._backwards == self.model.accumulate_steps:
-            self._mark(3)
+        self._mark(3)  # the step's last backward marks last
 
     def _after_optimizer_step(self, *args):
         self._step_end = time.perf_counter_ns()
