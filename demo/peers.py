@@ -50,10 +50,12 @@ class Context:
         return self._mesh
 
 
-def _v2(mode, ctx, ledger, recorder, tid):
-    """This repo's sharding v2 under release `mode` (job.MODES), one pipeline stage."""
-    return PipelineRun(make_strategy(ctx.opts, mode), ctx.hcg, ctx.opts, ctx.vocab, ctx.device,
-                       ledger, recorder, tid)
+def _v2(mode, ctx, ledger, recorder, tid, **flags):
+    """This repo's sharding v2 under release `mode` (job.MODES), one pipeline stage; `flags`
+    override the CLI's for this system (e.g. a layout flag that make_strategy reads)."""
+    opts = {**ctx.opts, **flags}
+    return PipelineRun(make_strategy(opts, mode), ctx.hcg, opts, ctx.vocab, ctx.device, ledger,
+                       recorder, tid)
 
 
 class _TorchRun:
@@ -213,7 +215,7 @@ def summarize(results, opts):
             "loss_max_abs_diff": loss_diff, "param_max_abs_diff": param_diff,
             "bitwise_equal": loss_diff == 0 and param_diff == 0,
         }
-    config = {"processes": len(ranks), "layout": "sharding 2 (v2 for this repo), no pipeline",
+    config = {"processes": len(ranks), "layout": "sharding 2 without pipeline",
               "steps": opts["steps"], "micro_batches": opts["micro_batches"],
               "micro_batch_size": opts["micro_batch_size"], "params": ranks[0]["params"],
               "grad_bytes": grad_bytes, "systems": names}
@@ -232,26 +234,24 @@ def print_report(summary, steps=True):
         for s in range(config["steps"]):
             print(f"step {s + 1:3d}  loss " + "  ".join(
                 f"{name} {v['losses'][s]:.6f}" for name, v in systems.items()))
-    print(f"\npeers: the same LM ({config['params']:,} params) and data, {config['layout']}, "
-          f"{config['processes']} processes, {config['steps']} steps;\nG = the model's fp32 "
-          f"grad bytes = {config['grad_bytes'] / 1024:,.1f} KiB; bytes from the allocator, "
-          "the larger rank's, above each run's start")
-    print(f"{'system':<16} {'between steps':>13} {'peak':>7} | {'step time / ' + base:>26} | "
-          "loss and params vs " + base)
+    print(f"\npeers: the same LM ({config['params']:,} params) and data on {config['processes']} "
+          f"processes, {config['layout']},\n{config['steps']} steps; G = the model's fp32 grad "
+          f"bytes = {config['grad_bytes'] / 1024:,.1f} KiB; bytes: the allocator's, the larger "
+          "rank's,\nabove each run's start; step time: per-step ratio to the baseline (runs in "
+          "turns), median (middle half)")
+    print(f"{'system':<15} | {'between steps':>13} | {'peak':>6} | {'step time':>16} | "
+          f"vs {base}: loss, params")
     for name, v in systems.items():
         ratio = v["step_time_ratio"]
-        time_text = ("1 (baseline)" if ratio is None else
+        time_text = ("1" if ratio is None else
                      f"{ratio['median']:.2f} ({ratio['iqr'][0]:.2f}-{ratio['iqr'][1]:.2f})")
         agree = ("-" if name == base else "bitwise equal" if v["bitwise_equal"] else
-                 f"max |diff| loss {v['loss_max_abs_diff']:.1e}, "
-                 f"params {v['param_max_abs_diff']:.1e}")
-        print(f"{name:<16} {_g(v['idle_G']):>13} {_g(v['peak_G']):>7} | {time_text:>26} | "
+                 f"max |diff| {v['loss_max_abs_diff']:.1e}, {v['param_max_abs_diff']:.1e}")
+        print(f"{name:<15} | {_g(v['idle_G']):>13} | {_g(v['peak_G']):>6} | {time_text:>16} | "
               f"{agree}")
-    print("step time: median of per-step ratios to the baseline (middle half); the runs "
-          "trained in turns")
     for name, v in systems.items():
         if v["step_time_ratio"] is not None:
-            print(f"  {name}: {v['step_time_ratio']['verdict']}")
+            print(f"{name} step time: {v['step_time_ratio']['verdict']}")
 
 
 def _g(value):

@@ -60,8 +60,7 @@ def time_ratio(times, base_times, name="on", base="off"):
     elif q3 - q1 <= WIDE:
         verdict = "no difference beyond the spread"
     else:
-        verdict = ("spread too wide to conclude (a busy machine?): rerun with more --steps or "
-                   "on an idle machine")
+        verdict = "spread too wide to conclude (busy machine?): rerun idle or with more --steps"
     return {"median": median, "iqr": [q1, q3], "steps": len(ratios), "verdict": verdict}
 
 
@@ -151,7 +150,7 @@ def print_report(summary, steps=True):
           "median after\nstep 1; peak: highest during a step); counted: our count of the grad "
           "storages between steps")
     print(f"{'rank':>4} {'stage':>5} | {'between steps':^{11 * len(names) + 10 * len(others)}}"
-          f" | {'counted':^{9 * len(names)}} | {'peak':^{10 * len(names)}}")
+          f" | {'counted':^{9 * len(names)}} | {'peak':^{10 * len(names)}}".rstrip())
     print(f"{'':>10} | " + "".join(f"{m:>11}" for m in names)
           + "".join(f"{base + '-' + m:>10}" for m in others) + " | "
           + "".join(f"{m:>9}" for m in names) + " | " + "".join(f"{m:>10}" for m in names))
@@ -201,7 +200,7 @@ def _print_phases(summary, names):
           "boundaries (- : none here)")
     width = 7 * len(names) + 1
     for chunk in (ranks[i : i + 4] for i in range(0, len(ranks), 4)):
-        print(f"{'':<20}" + "".join(f" |{'rank ' + str(r):^{width}}" for r in chunk))
+        print((f"{'':<20}" + "".join(f" |{'rank ' + str(r):^{width}}" for r in chunk)).rstrip())
         print(f"{'phase':<20}" + "".join(" | " + "".join(f"{m:>7}" for m in names)
                                          for _ in chunk))
         for p, phase in enumerate(summary["phases"]):
