@@ -221,4 +221,4 @@ def _print_times(modes, base, others):
     for m in others:
         ratio = modes[m]["step_time_ratio"]
         print(f"  {m}/{base} per step: median {ratio['median']:.3f}, middle half "
-              f"{ratio['iqr'][0]:.3f}-{ratio['iqr'][1]:.3f}: {ratio['verdict']}")
+              f"{ratio['iqr'][0]:.3f}-{ratio['iqr'][1]:.3f}:\n    {ratio['verdict']}")
