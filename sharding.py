@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, all_reduce_mean, assign_group_by_size,
                          global_rank, main_grad_or_grad as _grad)
+from checkpoint import sharding_state
 
 
 def _clear(p, set_to_zero):
@@ -177,6 +178,49 @@ class _Sharding(_Wrapper):
             raise RuntimeError("step() ran again without clear_grad() / zero_grad() in between; "
                                "the grads are already reduced. Clear them after each step")
         self._reduced = True
+
+    # ---- checkpoints that load into any sharding degree (checkpoint/sharding_state.py)
+
+    def state_dict(self):
+        """This rank's shard of the state (fast; loads only into the same layout).
+
+        The inner state plus `"sharding_layout"`: version, sharding degree and rank, param
+        shapes and owners (v1) / slices (v2), so that `load_state_dict` can refuse another
+        layout. For a checkpoint that loads into any sharding degree (or a plain torch
+        optimizer), use `consolidate_state_dict`.
+        """
+        return {**super().state_dict(),
+                sharding_state.LAYOUT_KEY: sharding_state.layout(self)}
+
+    def consolidate_state_dict(self, to=0):
+        """Gather the whole optimizer state, in torch's one-process format, on sharding rank `to`.
+
+        Collective over the sharding group: call it on every rank. Returns on rank `to` a dict
+        like `torch.optim.Optimizer.state_dict()` of one optimizer over all params: `"state"`
+        keyed by the param's index in the optimizer's param list, per-element tensors of the
+        param's full shape (v2's slices joined, padding dropped), `step` as saved;
+        `"param_groups"` (hyper-parameters, `"params"` index lists); and `"master_weights"`
+        {index: fp32 tensor of the param's shape} when there are fp32 masters. All tensors on
+        CPU. Returns None on the other ranks. Differs from torch's ZeroRedundancyOptimizer,
+        which stores the result for `state_dict()` on rank `to`: here `state_dict()` stays
+        this rank's shard (Paddle's meaning). Needs memory for the whole state on rank `to`.
+        Raises ValueError (on every rank) for a `to` outside [0, sharding degree).
+        """
+        return sharding_state.consolidate(self, to)
+
+    def load_state_dict(self, state_dict):
+        """Load this rank's `state_dict()`, or a consolidated / plain torch one re-sharded.
+
+        A consolidated dict (from `consolidate_state_dict` on any sharding degree, or a plain
+        torch optimizer over the same params and groups) is passed on every rank; each keeps
+        its own params (v1) or cuts its slices (v2), copies the hyper-parameters and, if
+        present, the fp32 masters (else the masters start from the model's params: load the
+        model first). Collective over the sharding (and dp) group: call it on every rank.
+        Allocates no grad and no grad buffer. Raises ValueError on every rank if any rank got
+        a per-rank state of another layout (another sharding degree, rank or version), None,
+        or a state of another model; nothing is loaded then.
+        """
+        sharding_state.load(self, state_dict, super().load_state_dict)
 
 
 class DygraphShardingOptimizer(_Sharding):
@@ -346,6 +390,7 @@ class DygraphShardingOptimizerV2(_Sharding):
             raise RuntimeError("sharding v2 found no REDUCE_SCATTER buffers: with "
                                "pp_configs.sharding_comm_overlap the pipeline builds them in "
                                "its first train_batch; step() must run inside train_batch")
+        sharding_state.apply_pending(self)  # a consolidated state loaded before the buffers
 
     @torch.no_grad()
     def reduce_gradients(self, parameter_list, hcg):

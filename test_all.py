@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import comm_buffer
-from checks import fused_buffer, pipe, zero
+from checks import checkpoints, fused_buffer, pipe, zero
 from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch, live_grad_bytes)
 
 # Seconds a scenario may run on its ranks; a hang fails the test instead of blocking the suite.
@@ -265,6 +265,20 @@ def test_sharding_scheduler_and_state(ranks):
 def test_sharding_main_grad(ranks):
     """Check bf16 params with fp32 main grads and masters, v1 and v2, release on == off."""
     ranks(2).run(zero.main_grad)
+
+
+def test_sharding_checkpoint_across_world_sizes(ranks, tmp_path):
+    """Check consolidated v1 / v2 checkpoints resume 2 -> 2 (bitwise), 2 -> 1, 3 and plain
+    torch, 1 -> 2 and 3 -> 2 (allclose to one process), and wrong layouts raise on every rank."""
+    ranks(2).run(checkpoints.save_on_two, str(tmp_path))
+    ranks(3).run(checkpoints.load_on_three, str(tmp_path))
+    ranks(2).run(checkpoints.load_from_three, str(tmp_path))
+
+
+def test_sharding_checkpoint_under_pipeline(ranks):
+    """Check pp 2 x sharding 2 with comm overlap resumes a consolidated v1 / v2 state bitwise,
+    loaded before the pipeline has built v2's buffers."""
+    ranks(4).run(checkpoints.pipeline_resume)
 
 
 # ---------------------------------------------------------------- pipeline.py
