@@ -90,10 +90,12 @@ def _same_dict(a, b):
 
 def _resume(version, topology, saved):
     """Fresh model and optimizer, load `saved` (model params + optimizer dict), check that
-    loading allocated no grad and kept Adam's step count, train steps 2 and 3."""
+    loading allocated no grad and restored lr and Adam's step count, train steps 2 and 3."""
     model, opt, (replicas, replica) = _sharded(version, topology)
     model.load_state_dict(saved["model"])
+    opt.param_groups[0]["lr"] = 0.5  # the saved hyper-parameters win, as in torch
     opt.load_state_dict(saved["optim"])
+    assert opt.param_groups[0]["lr"] == 1e-3
     _assert_no_grads(model, opt)
     assert opt.state and all(float(s["step"]) == 2 for s in opt.state.values())
     return _train(model, opt, range(2, 4), replicas, replica)
