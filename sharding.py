@@ -201,10 +201,14 @@ class _Sharding(_Wrapper):
         param's full shape (v2's slices joined, padding dropped), `step` as saved;
         `"param_groups"` (hyper-parameters, `"params"` index lists); and `"master_weights"`
         {index: fp32 tensor of the param's shape} when there are fp32 masters. All tensors on
-        CPU. Returns None on the other ranks. Differs from torch's ZeroRedundancyOptimizer,
+        CPU. Returns None on the other ranks. With dp > 1 every dp replica's rank `to` gets
+        the same dict; under a pipeline each stage's optimizer gathers its own stage's params
+        (save one file per stage). Differs from torch's ZeroRedundancyOptimizer,
         which stores the result for `state_dict()` on rank `to`: here `state_dict()` stays
         this rank's shard (Paddle's meaning). Needs memory for the whole state on rank `to`.
-        Raises ValueError (on every rank) for a `to` outside [0, sharding degree).
+        Raises ValueError (on every rank) for a `to` outside [0, sharding degree). Mirrors
+        torch's `ZeroRedundancyOptimizer.consolidate_state_dict` (Paddle merges shards in its
+        trainer instead: PaddleNLP `sharding_io.py`).
         """
         return sharding_state.consolidate(self, to)
 
@@ -215,10 +219,12 @@ class _Sharding(_Wrapper):
         torch optimizer over the same params and groups) is passed on every rank; each keeps
         its own params (v1) or cuts its slices (v2), copies the hyper-parameters and, if
         present, the fp32 masters (else the masters start from the model's params: load the
-        model first). Collective over the sharding (and dp) group: call it on every rank.
-        Allocates no grad and no grad buffer. Raises ValueError on every rank if any rank got
-        a per-rank state of another layout (another sharding degree, rank or version), None,
-        or a state of another model; nothing is loaded then.
+        model first). v1 and v2 dicts are interchangeable. v2 under the pipeline's comm
+        overlap, loaded before the first train_batch, keeps the dict and cuts it once the
+        pipeline has built its buffers. Collective over the sharding (and dp) group: call it
+        on every rank. Allocates no grad and no grad buffer. Raises ValueError on every rank
+        if any rank got a per-rank state of another layout (another sharding degree, rank or
+        version), None, or a state of another model; nothing is loaded then.
         """
         sharding_state.load(self, state_dict, super().load_state_dict)
 

@@ -268,16 +268,14 @@ def test_sharding_main_grad(ranks):
 
 
 def test_sharding_checkpoint_across_world_sizes(ranks, tmp_path):
-    """Check consolidated v1 / v2 checkpoints resume 2 -> 2 (bitwise), 2 -> 1, 3 and plain
-    torch, 1 -> 2 and 3 -> 2 (allclose to one process), and wrong layouts raise on every rank."""
+    """Check that consolidated v1/v2 states resume across 1, 2, 3 ranks; wrong layouts raise."""
     ranks(2).run(checkpoints.save_on_two, str(tmp_path))
     ranks(3).run(checkpoints.load_on_three, str(tmp_path))
     ranks(2).run(checkpoints.load_from_three, str(tmp_path))
 
 
 def test_sharding_checkpoint_under_pipeline(ranks):
-    """Check pp 2 x sharding 2 with comm overlap resumes a consolidated v1 / v2 state bitwise,
-    loaded before the pipeline has built v2's buffers."""
+    """Check that pp 2 x sharding 2 with comm overlap resumes a consolidated state bitwise."""
     ranks(4).run(checkpoints.pipeline_resume)
 
 

@@ -279,7 +279,8 @@ def _check_full(opt, state_dict, groups):
         return ("load_state_dict got None: consolidate_state_dict(to) returns the state on "
                 f"sharding rank `to` only, None elsewhere. {_FIX[0].upper() + _FIX[1:]}")
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
-        seen = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(state_dict)
+        seen = (f"keys {sorted(map(str, state_dict))}" if isinstance(state_dict, dict)
+                else f"a {type(state_dict).__name__}")
         return ("load_state_dict takes this rank's state_dict() (it has the key "
                 f"'{LAYOUT_KEY}') or a consolidated / plain torch one (keys 'state' and "
                 f"'param_groups'); got {seen}. To move between world sizes, {_FIX}")
