@@ -274,6 +274,11 @@ def test_sharding_checkpoint_across_world_sizes(ranks, tmp_path):
     ranks(2).run(checkpoints.load_from_three, str(tmp_path))
 
 
+def test_sharding_checkpoint_beside_dp(ranks):
+    """Check that dp 2 x sharding 2 consolidates, resumes, and raises on all dp replicas."""
+    ranks(4).run(checkpoints.beside_dp)
+
+
 def test_sharding_checkpoint_under_pipeline(ranks):
     """Check that pp 2 x sharding 2 with comm overlap resumes a consolidated state bitwise."""
     ranks(4).run(checkpoints.pipeline_resume)

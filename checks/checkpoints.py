@@ -266,3 +266,29 @@ def pipeline_resume(rank, world):
             (len(opt.state) == 0) == (version == 2))  # v2: no slices before the buffers
         _equal(train(model, opt, range(2, 4)), want)
     return "ok"
+
+
+def beside_dp(rank, world):
+    """dp 2 x sharding 2: rank `to` of each dp replica gets the consolidated state; it resumes
+    on the same layout bitwise and on sharding 4 allclose to one process; a per-rank state of
+    another rank on one dp replica only raises on all 4 ranks."""
+    dp_two, four = _topology(2, dp=2), _topology(4)
+    oracle = _one_process(4)[2]
+    for version in (1, 2):
+        model, opt, (replicas, replica) = _sharded(version, dp_two)
+        _train(model, opt, range(2), replicas, replica)
+        full = opt.consolidate_state_dict(to=1)
+        assert (full is None) == (rank % 2 != 1)
+        saved = [{"model": copy.deepcopy(model.state_dict()), "optim": full}]
+        dist.broadcast_object_list(saved, src=1)  # "the file" of global rank 1
+        want = _train(model, opt, range(2, 4), replicas, replica)
+        _equal(_resume(version, dp_two, saved[0]), want)
+        _close(_resume(version, four, saved[0]), oracle)
+        own = opt.state_dict()
+        others = [None] * world
+        dist.all_gather_object(others, own)
+        _, opt2, _ = _sharded(version, dp_two)
+        with pytest.raises(ValueError, match=r"sharding_rank: saved 1, here 0.*"
+                           r"\[seen on global rank\(s\) \[2\]\]"):
+            opt2.load_state_dict(others[3] if rank == 2 else own)
+    return "ok"
