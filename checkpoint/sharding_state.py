@@ -323,6 +323,11 @@ def _cut(value, lo, real, target):
     return flat.view(target.shape)
 
 
+def _is_param_shaped(value, piece):
+    target, view = piece[0], piece[3]  # v2: the view knows the whole param; v1: the target
+    return value.shape == (view._param.shape if view is not None else target.shape)
+
+
 def _place(value, name, piece, key_param, group):
     """A saved state value as the inner optimizer holds it (torch's casting rules)."""
     target, lo, real, _ = piece
@@ -336,12 +341,6 @@ def _place(value, name, piece, key_param, group):
         value = _cut(value, lo, real, target)
     dtype = key_param.dtype if key_param.is_floating_point() else value.dtype
     return value.to(dtype=dtype, device=key_param.device, copy=True)
-
-
-def _is_param_shaped(value, piece):
-    target, lo, real, view = piece
-    shape = view._param.shape if view is not None else target.shape
-    return value.shape == shape
 
 
 def _apply_full(opt, state_dict, groups):
