@@ -26,7 +26,9 @@ agree on the param groups and on any problem (small all-gathers) -> cut this ran
 copy them into the inner optimizer in place (its `param_groups` / `state` objects stay).
 Loading allocates no grad or grad buffer.
 Leaves out: optimizers whose state tensors are neither scalars nor param-shaped (e.g.
-Adafactor's factored moments) under v2; v1 copies them whole.
+Adafactor's factored moments) under v2 (v1 copies them whole); the saved state of a param
+that was frozen when v2 was built (it has no slice; it is not loaded); changing the pipeline
+degree (each stage's optimizer numbers its own params).
 """
 import copy
 
