@@ -50,7 +50,8 @@ def _both_releases(hcg, strategy):
 
 
 def groups_after_load(rank, world):
-    """param_groups / state re-read after load_state_dict: an LR set then reaches the step."""
+    """param_groups / state re-read after load_state_dict: an LR set then reaches the step;
+    a scheduler on the wrapped torch optimizer raises."""
     hcg, strategy = _groups(world)
     for kind in ("mix", V1, V2):
         for release, st in _both_releases(hcg, strategy):
@@ -72,6 +73,17 @@ def groups_after_load(rank, world):
             opt.step()
             assert _value(m.w) == 0.5, (kind, _value(m.w))  # 1 - 0.25 * 2
             assert opt.state is opt._inner_opt.state
+            opt.zero_grad(set_to_none=release)
+            # a scheduler built on the torch optimizer before wrapping never reaches the step
+            m = _Params(w=1.0)
+            template = torch.optim.SGD(m.parameters(), lr=1.0)
+            sched = torch.optim.lr_scheduler.StepLR(template, 1, gamma=0.25)
+            opt = _wrap(kind, template, hcg, st)
+            sched.step()
+            (m.w * 2).sum().backward()
+            with pytest.raises(ValueError, match="Build the scheduler on the wrapper"):
+                opt.step()
+            assert _value(m.w) == 1.0
     return "ok"
 
 

@@ -13,6 +13,10 @@ from comm_buffer import main_grad_or_grad as _grad
 from optim_wrappers.torch_face import _Wrapper, clear_grad_func as _clear
 
 
+def _hyper(group):
+    return {k: v for k, v in group.items() if k != "params"}
+
+
 def _needs_master(t):
     # bf16 / fp16 only: an fp64 param steps in fp64 (an fp32 master would round it).
     return t.is_floating_point() and t.element_size() < 4
@@ -48,6 +52,10 @@ class MixPrecisionOptimizer(_Wrapper):
         kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         self._inner_opt = type(optimizer)(groups, **kwargs)  # AdamW's defaults hold extra keys
         self._expose(self._inner_opt)
+        # The template's hyper-parameters as built: an LR scheduler built on the template
+        # (before wrapping) would change them there, where nothing steps (check_template).
+        self._template = optimizer
+        self._template_hyper = [_hyper(g) for g in optimizer.param_groups]
 
     def _master_group(self, group, targets):
         """`group`'s hyper-parameters over `targets`, masters in place of bf16 / fp16 ones."""
@@ -58,8 +66,22 @@ class MixPrecisionOptimizer(_Wrapper):
                              "belongs to one group")
         self._targets += targets
         self._masters.update({t: t.detach().float() for t in targets if _needs_master(t)})
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        return {**hyper, "params": [self._masters.get(t, t) for t in targets]}
+        return {**_hyper(group), "params": [self._masters.get(t, t) for t in targets]}
+
+    def check_template(self):
+        """Raise ValueError if the torch optimizer passed in had its hyper-parameters changed
+        since (e.g. by an LR scheduler built on it before wrapping): they never reach the
+        steps, which read `self.param_groups`. Rank-independent (every rank runs the same
+        scheduler), so the sharding wrappers call it before any collective."""
+        for i, (group, built) in enumerate(zip(self._template.param_groups,
+                                               self._template_hyper)):
+            changed = {k: (built.get(k), v) for k, v in _hyper(group).items()
+                       if built.get(k) != v and k != "initial_lr"}
+            if changed:
+                raise ValueError(f"the torch optimizer that was wrapped changed after wrapping "
+                                 f"(group {i}, (built, now): {changed}), e.g. by an LR scheduler "
+                                 "built on it; the wrapper steps with its own param_groups. "
+                                 "Build the scheduler on the wrapper, set the values there")
 
     def add_param_group(self, param_group):
         """torch's `add_param_group`: the new targets get masters as at construction."""
@@ -79,6 +101,7 @@ class MixPrecisionOptimizer(_Wrapper):
     def step(self, closure=None):
         """One optimizer step on every target that has a main_grad or grad (others skipped)."""
         self._check_step_args(closure)
+        self.check_template()
         bound = []
         for t in self._targets:
             main_grad, master = getattr(t, "main_grad", None), self._masters.get(t)

@@ -87,6 +87,8 @@ class _Wrapper(torch.optim.Optimizer):
                              "model yourself and then step()")
         if getattr(self, "grad_scale", None) is not None:
             raise ValueError(GRAD_SCALER_MSG)
+        if hasattr(self._inner_opt, "check_template"):  # v1 / v2: before any collective
+            self._inner_opt.check_template()
 
     def zero_grad(self, set_to_none=True):
         """torch's spelling of `clear_grad(set_to_zero=not set_to_none)`, same rules."""
