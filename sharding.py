@@ -54,7 +54,8 @@ _NO_GRAD_MSG = ("no param has a grad on any rank at step(): did zero_grad() run 
 
 
 class _Sharding(_Wrapper):
-    """What v1 and v2 share: flags, groups and whether to all-reduce over dp."""
+    """What v1 and v2 share: flags, groups, whether to all-reduce over dp, and the agreement
+    on grads and misuse that opens every `step()`."""
 
     def _setup(self, optimizer, hcg, strategy):
         pp_config = strategy.hybrid_configs["pp_configs"]
@@ -122,8 +123,10 @@ class DygraphShardingOptimizer(_Sharding):
             `comm_overlap`, `release_gradients` (v2 also `accumulate_steps`).
     `_param2rank` maps each param (by identity; Paddle: by name) to its owner's sharding rank.
     Call `step()` after backward, then `clear_grad()` / `zero_grad()` before the next step.
-    Raises ValueError for a param with no elements or an unsupported config, RuntimeError for
-    a second `step()` without clearing the grads in between.
+    Raises ValueError for a param with no elements or an unsupported config, at `step()` (on
+    every rank) for no grad on any rank, a closure or a GradScaler, and from
+    `add_param_group` as it says; RuntimeError for a second `step()` without clearing the
+    grads in between.
     """
 
     def __init__(self, optimizer, hcg, strategy):

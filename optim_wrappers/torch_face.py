@@ -76,9 +76,9 @@ class _Wrapper(torch.optim.Optimizer):
 
     def __getstate__(self):
         # torch's pickles param_groups / state as plain attributes, which would shadow ours.
-        raise TypeError(f"{type(self).__name__} cannot be pickled or deep-copied (it holds "
-                        "process groups and views of shared buffers); save or copy "
-                        "state_dict() instead")
+        raise TypeError(f"{type(self).__name__} cannot be pickled or deep-copied (its "
+                        "param_groups and state are the inner optimizer's; the sharding "
+                        "wrappers also hold process groups); save or copy state_dict() instead")
 
     def _check_step_args(self, closure):
         """Raise ValueError, on every rank alike, for a closure or a driving GradScaler."""
