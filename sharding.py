@@ -101,7 +101,11 @@ class _Sharding(_Wrapper):
         if self._hcg.get_data_parallel_world_size() > 1:
             groups.append(self._hcg.get_data_parallel_group())
         params = self._parameter_list
-        device = params[0].device if params else torch.device("cpu")
+        if params:
+            device = params[0].device
+        else:  # a stage without params: nccl still needs the flags on the GPU
+            nccl = dist.get_backend(self._group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
         anywhere = agree(has_grad, rules, groups, device)
         if any(p.requires_grad for p in params) and not any(anywhere):
             raise ValueError(_NO_GRAD_MSG)
