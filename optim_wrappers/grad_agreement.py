@@ -18,7 +18,9 @@ from comm_buffer import all_reduce_mean, main_grad_or_grad as _grad
 
 
 def agree(has_grad, rules, groups, device):
-    """Sum `[rule flags..., has_grad flags...]` over each of `groups` (SUM all-reduce, int32).
+    """Sum `[rule flags..., has_grad flags...]` (1-D int32, len(rules) + len(has_grad)
+    elements, 0 / 1 each) over each of `groups` in turn: one small all-reduce per group.
+    Not in Paddle (see the module docstring).
 
     Args:
         has_grad: list of bool, one per param (this rank holds a grad for it).
@@ -62,9 +64,11 @@ def fill_missing_grads(params, anywhere):
 
 @torch.no_grad()
 def agreed_all_reduce_mean(params, group):
-    """dp sync of `params`' grads (HybridParallelOptimizer's) with the same collectives on
-    every rank of `group`: agree which params have a grad anywhere, fill zeros, all-reduce
-    the mean. A param without a grad on every rank keeps None (not stepped)."""
+    """dp sync of `params`' grads (Paddle's HybridParallelOptimizer `_hybrid_sync_grad` ->
+    `fused_allreduce_gradients`, unfused) with the same collectives on every rank of
+    `group`: agree which params have a grad anywhere, fill zeros, all-reduce the mean in
+    place (grads keep their dtype; fp32 `main_grad` where set). A param without a grad on
+    every rank keeps None (not stepped)."""
     params = list(params)
     if not params:
         return
