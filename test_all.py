@@ -168,8 +168,8 @@ def test_failing_rank_ends_all():
     """Check the demo's launcher: a rank that raises mid-schedule brings every rank down."""
     start = time.monotonic()
     with pytest.raises(mp.ProcessRaisedException, match="injected failure"):
-        launch(pipe._failing_worker, 2, timeout=60)
-    assert time.monotonic() - start < 30
+        launch(pipe._failing_worker, 2, timeout=180)
+    assert time.monotonic() - start < 90, "the surviving rank waited for the timeout"
 
 
 def test_hang_fails_on_timeout():
