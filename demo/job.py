@@ -86,17 +86,21 @@ class PipelineRun:
         self.probe = PipelineProbe(self.model, self.optimizer, ledger, recorder, tid)
 
     def step(self, x, y):
+        """One `train_batch`; returns the loss (0-d fp32 tensor, mean over micro-batches)."""
         self.probe.start_step()
         return self.model.train_batch((x, y), self.optimizer)
 
     def phase_bytes(self):
+        """This run's bytes at each of `phases.PHASES` in the latest step (None: no such)."""
         return self.probe.bytes
 
     def counted_grad_bytes(self):
+        """Bytes of the grad storages alive now, by our count (`live_grad_bytes`)."""
         return live_grad_bytes(self.model, self.optimizer,
                                comm_buffers(self.model, self.optimizer))
 
     def params(self):
+        """This stage's params (detached, not copied), in the layers' order."""
         return [p.detach() for p in self.model.parameters()]
 
     def buffers(self):

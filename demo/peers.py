@@ -99,10 +99,12 @@ class DdpZeroRun(_TorchRun):
             weight_decay=0.01)
 
     def step(self, x, y):
+        """One step on a (batch, block) int64 batch; returns the loss (0-d fp32 tensor)."""
         return self._train(x, y, lambda skip: self.model.no_sync() if skip
                            else contextlib.nullcontext())
 
     def params(self):
+        """The full params (each rank holds them all), in the layers' order."""
         return [p.detach() for p in self.model.module.parameters()]
 
 
@@ -125,6 +127,7 @@ class Fsdp2Run(_TorchRun):
                                            weight_decay=0.01)
 
     def step(self, x, y):
+        """One step on a (batch, block) int64 batch; returns the loss (0-d fp32 tensor)."""
         def sync(skip):
             self.model.set_requires_gradient_sync(not skip)
             return contextlib.nullcontext()
