@@ -11,10 +11,10 @@ broadcast from its owner. v2 lays each bucket's params into one *flat padded buf
 each rank a contiguous shard of it: grads are reduce-scattered in place, each rank steps 1-D
 slice params over its shard, and the param buffer is all-gathered back. With release the grad
 buffers (v2's own, or the pipeline's) live from the first grad of a step to `clear_grad`.
-Phases of `step()`: reduce -> dp all-reduce (dp > 1) -> step owned params / slices ->
-broadcast / all-gather.
+Phases of `step()`: reduce -> dp all-reduce (dp > 1) -> clip (`grad_clip`) -> step owned params
+/ slices -> broadcast / all-gather.
 
-Leaves out: grad clipping, v1's own tensor fusion (`comm_overlap`), offload, color sharding.
+Leaves out: v1's own tensor fusion (`comm_overlap`), offload, color sharding.
 
 References: Paddle PRs #59739, #58462, #58621, #64517 (sharding-side release flag);
 Rajbhandari et al., "ZeRO" (2020); torch's ZeroRedundancyOptimizer.
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, all_reduce_mean, assign_group_by_size,
                          global_rank, main_grad_or_grad as _grad)
+from grad_clip import ClipGradByGlobalNorm, norm_groups
 
 
 def _clear(p, set_to_zero):
@@ -43,6 +44,14 @@ _ERASE_MSG = ("should not erase grad buffer: with release_gradients off the grad
               "a fused buffer that must persist, so clear_grad(set_to_zero=False) / "
               "zero_grad(set_to_none=True) is not allowed. Use zero_grad(set_to_none=False), "
               "or turn pp_configs.release_gradients on.")
+
+
+def _check_grad_clip(grad_clip):
+    if grad_clip is not None and not isinstance(grad_clip, ClipGradByGlobalNorm):
+        raise TypeError(f"grad_clip must be None or grad_clip.ClipGradByGlobalNorm, got "
+                        f"{type(grad_clip).__name__}; torch's clip_grad_norm_ on a rank's own "
+                        "grads would see only its shard, unreduced")
+    return grad_clip
 
 
 class _Wrapper(torch.optim.Optimizer):
@@ -192,13 +201,17 @@ class DygraphShardingOptimizer(_Sharding):
             `dp_comm_overlap`, `release_gradients`, and `...["sharding_configs"]`'s
             `comm_overlap`, `release_gradients` (v2 also `accumulate_steps`).
     `_param2rank` maps each param (by identity; Paddle: by name) to its owner's sharding rank.
+        grad_clip: None or a `grad_clip.ClipGradByGlobalNorm`, run in `step()` on the owned,
+            reduced grads (Paddle passes it as the inner optimizer's `grad_clip`); then `hcg`
+            also needs `get_pipe_parallel_{group,world_size}()`.
     Call `step()` after backward, then `clear_grad()` / `zero_grad()` before the next step.
     Raises ValueError for a param with no elements or an unsupported config, RuntimeError for
-    a second `step()` without clearing the grads in between.
+    a second `step()` without clearing the grads in between, TypeError for another grad_clip.
     """
 
-    def __init__(self, optimizer, hcg, strategy):
+    def __init__(self, optimizer, hcg, strategy, grad_clip=None):
         self._setup(optimizer, hcg, strategy)
+        self._grad_clip = _check_grad_clip(grad_clip)
         self._param2rank = self._partition_parameters()
         owned = [[p for p in g["params"] if self._param2rank[p] == self._rank]
                  for g in optimizer.param_groups]
@@ -251,6 +264,7 @@ class DygraphShardingOptimizer(_Sharding):
         if self._dp_sync:
             all_reduce_mean([_grad(p) for p in owned if _grad(p) is not None],
                             self._hcg.get_data_parallel_group())
+        self._clip_grads()
         self._inner_opt.step(closure)
         # _sharding_sync_parameters: every param from its owner
         works = [dist.broadcast(p.detach(), src=global_rank(self._group, self._param2rank[p]),
@@ -273,6 +287,14 @@ class DygraphShardingOptimizer(_Sharding):
         for p in self._parameter_list:
             _clear(p, set_to_zero)
 
+    def _clip_grads(self):
+        """grad_clip on the grads this rank owns, reduced (Paddle: the inner optimizer's
+        params_grads); a rank that owns nothing still joins the norm's all-reduces."""
+        if self._grad_clip is None:
+            return
+        pairs = [(p, _grad(p)) for p in self._parameter_list if self._param2rank[p] == self._rank]
+        self._grad_clip(pairs, norm_groups(self._hcg), self._parameter_list[0].device)
+
 
 class DygraphShardingOptimizerV2(_Sharding):
     """Sharding v2 (split_param): flat shards, reduce-scatter -> step slices -> all-gather.
@@ -286,11 +308,13 @@ class DygraphShardingOptimizerV2(_Sharding):
     in at `step()` (so `sharding_configs.accumulate_steps` only matters with hooks).
     Raises ValueError for `clear_grad(set_to_zero=False)` with release off or, with release
     on, a bucket with no grad at all at `step()`; RuntimeError if `step()` finds no buffers or
-    runs twice without clearing the grads in between.
+    runs twice without clearing the grads in between. `grad_clip` clips the slice grads
+    without their padding.
     """
 
-    def __init__(self, optimizer, hcg, strategy):
+    def __init__(self, optimizer, hcg, strategy, grad_clip=None):
         self._setup(optimizer, hcg, strategy)
+        self._grad_clip = _check_grad_clip(grad_clip)
         self._slice_params = {p: torch.nn.Parameter(p.new_empty(0), p.requires_grad)
                               for p in self._parameter_list}
         slices = [[self._slice_params[p] for p in g["params"]] for g in optimizer.param_groups]
@@ -392,6 +416,21 @@ class DygraphShardingOptimizerV2(_Sharding):
             grads = [_grad(s) for s in self._slice_params.values()]
             all_reduce_mean([g for g in grads if g is not None],
                             self._hcg.get_data_parallel_group())
+        self._clip_grads()
         self._inner_opt.step(closure)
         for comm_buffer in self._comm_buffer_list:  # _sharding_sync_parameters
             comm_buffer.sync_params()
+
+    def _clip_grads(self):
+        """grad_clip on this rank's slice grads, padding left out (it is zero, and not the
+        model's): a slice may end in its param's padding (see ShardingGradView)."""
+        if self._grad_clip is None:
+            return
+        pairs = []
+        for comm_buffer in self._comm_buffer_list:
+            for param, view in comm_buffer._sharding_param_grad_view.items():
+                grad = _grad(self._slice_params[param])
+                if grad is not None:
+                    valid = min(view._param_end, view._index + param.numel()) - view._param_begin
+                    pairs.append((param, grad[:valid]))  # param: need_clip, is_firstly_shared
+        self._grad_clip(pairs, norm_groups(self._hcg), self._parameter_list[0].device)
