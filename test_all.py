@@ -413,6 +413,8 @@ def test_main_job_json():
     off, on = result["modes"]["off"], result["modes"]["on"]
     assert result["bitwise_equal"] is True and off["losses"] == on["losses"]
     assert len(off["losses"]) == 6 and off["losses"][-1] < off["losses"][0]
+    assert off["grad_norms"] == on["grad_norms"] and len(on["grad_norms"]) == 6
+    assert all(n > 0 for n in on["grad_norms"]) and max(on["grad_norms"]) > 1.0  # clipped
     assert all(n == 0 for n in on["idle_grad_bytes_counted"])
     assert all(n > 100_000 for n in off["idle_grad_bytes_counted"])
     for counted, a_off, a_on in zip(off["idle_grad_bytes_counted"],
