@@ -364,7 +364,7 @@ def test_clip_global_norm(ranks):
 
 def test_tied_weights_across_stages(ranks):
     """Check a weight tied across stages, owned by different sharding ranks per stage (v1, v2,
-    overlap on/off) is bitwise equal on all ranks and equals one process each step."""
+    overlap on/off; and pp x dp) is bitwise equal on all ranks and equals one process."""
     ranks(4).run(clipping.tied_weights)
 
 

@@ -157,32 +157,38 @@ def _tied_oracle(steps, clip, batch):
 
 def tied_weights(rank, world, steps=3, clip=0.05):
     """pp 2 x sharding 2, v1 and v2, overlap on / off, release on / off, with the tied copies
-    owned by different sharding ranks on the two stages: after each step the tied weight is
-    bitwise equal on all 4 ranks and equals one process training the model that uses one
-    weight twice (clipped with torch's clip_grad_norm_, which counts it once); release on ==
-    off bitwise. Then a second schedule call before the step raises on every rank."""
+    owned by different sharding ranks on the two stages, and pp 2 x dp 2 (plain SGD, dp
+    overlap on / off): after each step the tied weight is bitwise equal on all 4 ranks and
+    equals one process training the model that uses one weight twice (clipped with torch's
+    clip_grad_norm_, which counts it once); release on == off bitwise. Then a second schedule
+    call before the step, and misspelled ties, raise on every rank."""
     batch = 2 * 2 * 2  # replicas x micro-batches x samples
     oracle_norms, oracle = _tied_oracle(steps, clip, batch)
     assert all(float(n) > clip for n in oracle_norms)  # the clip is active
     runs = {}
-    for version, overlap, release in _variants():
-        strategy = _strategy(pp=2, sharding=2, acc=2, release=release,
-                             sharding_comm_overlap=overlap, split_param=version == 2)
+    for version, overlap, release in _variants() + _variants((None,)):
+        if version:
+            strategy = _strategy(pp=2, sharding=2, acc=2, release=release,
+                                 sharding_comm_overlap=overlap, split_param=version == 2)
+        else:
+            strategy = _strategy(dp=2, pp=2, acc=2, release=release, dp_comm_overlap=overlap)
         hcg = HybridCommunicateGroup(strategy)
-        stage, sharding_rank = hcg.get_stage_id(), hcg.get_sharding_parallel_rank()
+        stage = hcg.get_stage_id()
+        replica = hcg.get_sharding_parallel_rank() + hcg.get_data_parallel_rank()
         model = PipelineParallel(_tied_layers(), hcg, strategy, _mse,
                                  shared_weights=[("0.weight", "5.weight")])
         tied = model._layers[0 if stage == 0 else 2].weight
         assert getattr(tied, "is_firstly_shared", True) == (stage == 0)
         grad_clip = ClipGradByGlobalNorm(clip)
-        opt = _VERSIONS[version](torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                 hcg, strategy, grad_clip=grad_clip)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if version:
+            opt = _VERSIONS[version](opt, hcg, strategy, grad_clip=grad_clip)
         if version == 1:  # different owners on the two stages
             assert opt._param2rank[tied] == stage
         traj = []
         for step in range(steps):
-            x, y = (t.chunk(2)[sharding_rank] for t in _data(step, batch, 8, 8))
-            model.train_batch((x, y), opt)
+            x, y = (t.chunk(2)[replica] for t in _data(step, batch, 8, 8))
+            model.train_batch((x, y), opt, grad_clip=None if version else grad_clip)
             assert _same_on_all([tied], None), (version, overlap, release, step)
             torch.testing.assert_close(grad_clip.global_norm, oracle_norms[step],
                                        rtol=1e-5, atol=0)
@@ -194,17 +200,24 @@ def tied_weights(rank, world, steps=3, clip=0.05):
         if version == 2:  # the tied copies sit on different shards on the two stages
             view = next(b._sharding_param_grad_view[tied] for b in opt._comm_buffer_list
                         if tied in b._sharding_param_grad_view)
-            assert view._index == 128 * stage and view._has_local == (sharding_rank == stage)
+            assert view._index == 128 * stage and view._has_local == (replica == stage)
         runs[version, overlap, release] = traj
     for (version, overlap, release), traj in runs.items():
         if release:
             off = runs[version, overlap, False]
             assert all(torch.equal(a, b) for s, t in zip(traj, off) for a, b in zip(s, t))
     # accumulating over two calls: the tied sum would run twice, so the second call refuses
-    x, y = (t.chunk(2)[sharding_rank] for t in _data(0, batch, 8, 8))
+    x, y = (t.chunk(2)[replica] for t in _data(0, batch, 8, 8))
     model.forward_backward_pipeline((x, y))
     with pytest.raises(ValueError, match="ran again before the optimizer step: with comm"):
         model.forward_backward_pipeline((x, y))
+    for ties, error, match in (([("0.weight", "5.bias")], ValueError, "not a trainable param"),
+                               ([("0.weight", "x.weight")], ValueError, "<layer index>"),
+                               ([("0.weight",)], ValueError, ">= 2 distinct"),
+                               (("0.weight", "5.weight"), TypeError, "list of ties")):
+        with pytest.raises(error, match=match):
+            PipelineParallel(_tied_layers(), hcg, strategy, _mse, shared_weights=ties)
+    dist.barrier()  # every rank raised and got here
     return "ok"
 
 
