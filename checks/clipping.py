@@ -118,6 +118,12 @@ def clip_global_norm(rank, world, steps=3, clip=1.0, lr=0.1):
             views = [view for b in opt._comm_buffer_list
                      for view in b._sharding_param_grad_view.values()]
             assert [v._has_local for v in views] == [hcg.get_sharding_parallel_rank() == 0]
+        if version == 1 and not overlap and not release:  # misuse: raised before any comm
+            with pytest.raises(ValueError, match="clips in its own step"):
+                model.train_batch((x, x), opt, grad_clip=grad_clip)
+            with pytest.raises(TypeError, match="grad_clip must be None or"):
+                _VERSIONS[1](torch.optim.SGD(model.parameters(), lr=lr), hcg, strategy,
+                             grad_clip=torch.nn.utils.clip_grad_norm_)
         runs[kind, version, overlap, release] = norms + traj
     for (kind, version, overlap, release), values in runs.items():
         if release:
