@@ -38,13 +38,14 @@ def _variants(versions=(1, 2)):
 
 # ---------------------------------------------------------------- clipping
 
-def _hand_clip(steps, clip, lr, a=3.0, b=4.0):
+def _hand_clip(steps, clip, lr, frozen=False, a=3.0, b=4.0):
     """Norms and (a, b) after each step of `z = b * a * x`, loss mean(z), batch mean 3(s+1),
-    SGD, Paddle's coefficient: in Python floats, independent of torch and the library."""
+    SGD, Paddle's coefficient (`frozen`: a is not trained): in Python floats, independent of
+    torch and the library."""
     norms, params = [], []
     for step in range(steps):
         x_mean = 3.0 * (step + 1)
-        grad_a, grad_b = b * x_mean, a * x_mean
+        grad_a, grad_b = (0.0 if frozen else b * x_mean), a * x_mean
         norm = math.sqrt(grad_a ** 2 + grad_b ** 2)
         coef = clip / (max(norm, clip) + 1e-6)
         a, b = a - lr * coef * grad_a, b - lr * coef * grad_b
@@ -58,9 +59,10 @@ def _scalar_batch(step):
     return torch.tensor([[1.0], [2.0], [3.0], [6.0]]) * (step + 1)
 
 
-def _torch_oracle(steps, clip, lr):
+def _torch_oracle(steps, clip, lr, frozen=False):
     """One process, the whole model and batch, torch's clip_grad_norm_."""
     model = nn.Sequential(Scale(3.0), Scale(4.0))
+    model[0].w.requires_grad_(not frozen)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     norms, traj = [], []
     for step in range(steps):
@@ -74,17 +76,20 @@ def _torch_oracle(steps, clip, lr):
 
 def clip_global_norm(rank, world, steps=3, clip=1.0, lr=0.1):
     """pp 2 x sharding 2 (v1, v2; overlap, release on / off) and pp 2 x dp 2 (plain SGD,
-    `train_batch(grad_clip=)`; dp overlap on / off): the norm is the hand value on all 4
-    ranks; the clipped update equals torch's clip_grad_norm_ on one process; release on ==
-    off bitwise. Sharding rank 1 owns nothing on either stage (v1: one param per stage; v2:
-    its shard is padding only)."""
-    hand_norms, hand_params = _hand_clip(steps, clip, lr)
-    torch_norms, oracle = _torch_oracle(steps, clip, lr)
-    assert hand_norms[0] > clip  # the clip is active: max_norm below the norm
+    `train_batch(grad_clip=)`; dp overlap on / off; once with stage 0's param frozen): the
+    norm is the hand value on all 4 ranks; the clipped update equals torch's clip_grad_norm_
+    on one process; release on == off bitwise. Sharding rank 1 owns nothing on either stage
+    (v1: one param per stage; v2: its shard is padding only)."""
+    hands = {f: _hand_clip(steps, clip, lr, f) for f in (False, True)}
+    oracles = {f: _torch_oracle(steps, clip, lr, f) for f in (False, True)}
+    assert min(hands[True][0]) > clip  # the clip is active: max_norm below the norm
     configs = [("sharding", v, overlap, release) for v, overlap, release in _variants()]
     configs += [("dp", None, overlap, release) for _, overlap, release in _variants((1,))]
+    configs += [("frozen", None, True, True)]  # stage 0 has no trainable param
     runs = {}
     for kind, version, overlap, release in configs:
+        hand_norms, hand_params = hands[kind == "frozen"]
+        torch_norms, oracle = oracles[kind == "frozen"]
         if kind == "sharding":
             strategy = _strategy(pp=2, sharding=2, acc=2, release=release,
                                  sharding_comm_overlap=overlap, split_param=version == 2)
@@ -92,7 +97,9 @@ def clip_global_norm(rank, world, steps=3, clip=1.0, lr=0.1):
             strategy = _strategy(dp=2, pp=2, acc=2, release=release, dp_comm_overlap=overlap)
         hcg = HybridCommunicateGroup(strategy)
         stage = hcg.get_stage_id()
-        model = PipelineParallel([Scale(3.0), Scale(4.0)], hcg, strategy, _mean_loss)
+        layers = [Scale(3.0), Scale(4.0)]
+        layers[0].w.requires_grad_(kind != "frozen")
+        model = PipelineParallel(layers, hcg, strategy, _mean_loss)
         grad_clip = ClipGradByGlobalNorm(clip)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         if version:
@@ -126,7 +133,7 @@ def clip_global_norm(rank, world, steps=3, clip=1.0, lr=0.1):
                              grad_clip=torch.nn.utils.clip_grad_norm_)
         runs[kind, version, overlap, release] = norms + traj
     for (kind, version, overlap, release), values in runs.items():
-        if release:
+        if release and (kind, version, overlap, False) in runs:
             off = runs[kind, version, overlap, False]
             assert all(torch.equal(a, b) for a, b in zip(values, off)), (kind, version)
     return "ok"
