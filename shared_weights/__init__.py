@@ -69,7 +69,8 @@ class SharedWeights:
     """The ties of one `PipelineParallel` stage: groups, broadcast at build, grad sum.
 
     Args:
-        layers: this stage's nn.Sequential (params are replaced by identity for same-stage ties).
+        layers: this stage's nn.Sequential (a same-stage tie rebinds its later names to the
+            first name's Parameter).
         hcg: the topology; read: `get_stage_id()`, `get_pipe_parallel_{group,world_size}()`,
             `get_rank_from_stage(s)`.
         shared_weights: None or a list of ties; a tie is a tuple of >= 2 names
