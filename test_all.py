@@ -10,6 +10,7 @@ asserts against something independent: a per-parameter collective done by hand, 
 training the same model on the whole batch (the oracle), and release off vs on (bitwise).
 """
 import json
+import math
 import os
 import queue
 import subprocess
@@ -26,8 +27,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import comm_buffer
-from checks import checkpoints, contract, demo_peers, fused_buffer, pipe, zero
+from checks import checkpoints, clipping, contract, demo_peers, fused_buffer, pipe, zero
 from demo.memory import live_grad_bytes
+from grad_clip import ClipGradByGlobalNorm
 from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch)
 
 # Seconds a scenario may run on its ranks; a hang fails the test instead of blocking the suite.
@@ -411,6 +413,59 @@ def test_pipeline_eval_and_errors(ranks):
     ranks(2).run(pipe.eval_and_errors)
 
 
+# ---------------------------------------------------------------- grad_clip/, shared_weights/
+
+def test_clip_coefficient_and_fp32_sum():
+    """Check Paddle's coefficient (below the norm: clip/(clip+1e-6), not 1; above: torch's),
+    fp32 sums of bf16 squares, need_clip / None grads skipped, and bad clip_norm raising."""
+    g = torch.full((3,), 0.1)
+    ClipGradByGlobalNorm(1.0)([(nn.Parameter(torch.zeros(3)), g)])
+    want = torch.full((3,), 0.1 / (1.0 + 1e-6), dtype=torch.float64).float()
+    assert not torch.equal(g, torch.full((3,), 0.1))  # scaled by Paddle's, not clamped to 1
+    torch.testing.assert_close(g, want, rtol=2e-7, atol=0)
+    params = [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(2))]
+    grads = [torch.tensor([3.0, 0.0, 4.0, 12.0]), torch.tensor([-84.0, 0.0])]
+    for p, grad in zip(params, grads):
+        p.grad = grad.clone()
+    want = torch.nn.utils.clip_grad_norm_(params, 2.0)
+    clip = ClipGradByGlobalNorm(2.0)
+    clip([(p, grad) for p, grad in zip(params, grads)] + [(nn.Parameter(torch.zeros(1)), None)])
+    assert clip.global_norm.item() == 85.0  # sqrt(3^2 + 4^2 + 12^2 + 84^2)
+    torch.testing.assert_close(clip.global_norm, want, rtol=0, atol=0)
+    for p, grad in zip(params, grads):
+        torch.testing.assert_close(grad, p.grad, rtol=1e-7, atol=0)
+    # 4097 squares of 1 in bf16: a bf16 sum would round to 4096; fp32 keeps 4097
+    bf16 = torch.ones(4097, dtype=torch.bfloat16)
+    frozen = nn.Parameter(torch.zeros(1))
+    frozen.need_clip = False
+    frozen_grad = torch.full((1,), 100.0)
+    clip([(nn.Parameter(bf16.clone()), bf16), (frozen, frozen_grad)])
+    assert clip.global_norm.dtype == torch.float32
+    assert clip.global_norm.item() == pytest.approx(math.sqrt(4097), rel=1e-7)
+    assert frozen_grad.item() == 100.0 and bf16.dtype == torch.bfloat16
+    for bad, error in ((0.0, ValueError), (float("inf"), ValueError), ("1", TypeError)):
+        with pytest.raises(error, match="clip_norm must be"):
+            ClipGradByGlobalNorm(bad)
+
+
+def test_clip_global_norm(ranks):
+    """Check pp 2 x sharding 2 (v1, v2, overlap on/off) and pp 2 x dp 2: the norm is the hand
+    value on all ranks and the update equals torch's clip_grad_norm_ on one process."""
+    ranks(4).run(clipping.clip_global_norm)
+
+
+def test_tied_weights_across_stages(ranks):
+    """Check a weight tied across stages, owned by different sharding ranks per stage (v1, v2,
+    overlap on/off; and pp x dp) is bitwise equal on all ranks and equals one process."""
+    ranks(4).run(clipping.tied_weights)
+
+
+def test_accumulate_over_schedule_calls(ranks):
+    """Check two schedule calls per step give a = 0.6, 0.36, 0.216 without overlap, and with
+    sharding comm overlap raise on every rank without hanging."""
+    ranks(4).run(clipping.accumulate_calls)
+
+
 # ---------------------------------------------------------------- relgrad.py
 
 def test_config_errors():
@@ -444,8 +499,8 @@ def _run_json(cmd):
 
 # The --json schema (demo/report.py): keys of the object and of each mode.
 _TOP_KEYS = {"config", "stages", "phases", "baseline", "modes", "bitwise_equal"}
-_MODE_KEYS = {"losses", "idle_bytes_allocator", "idle_grad_bytes_counted", "peak_bytes",
-              "phase_bytes", "step_time_s", "step_time_iqr_s", "step_times_s"}
+_MODE_KEYS = {"losses", "grad_norms", "idle_bytes_allocator", "idle_grad_bytes_counted",
+              "peak_bytes", "phase_bytes", "step_time_s", "step_time_iqr_s", "step_times_s"}
 _OTHER_MODE_KEYS = _MODE_KEYS | {"idle_grad_bytes_allocator", "step_time_ratio", "bitwise_equal"}
 _PHASES = ["step start", "before 1st backward", "after 1st backward", "after last backward",
            "after collectives", "after optimizer step", "after release"]
@@ -480,6 +535,8 @@ def test_main_job_json(tmp_path):
     assert result["bitwise_equal"] is True and off["losses"] == on["losses"]
     assert on["bitwise_equal"] is True
     assert len(off["losses"]) == 6 and off["losses"][-1] < off["losses"][0]
+    assert off["grad_norms"] == on["grad_norms"] and len(on["grad_norms"]) == 6
+    assert all(n > 0 for n in on["grad_norms"]) and max(on["grad_norms"]) > 1.0  # clipped
     assert all(n == 0 for n in on["idle_grad_bytes_counted"])
     assert all(n > 100_000 for n in off["idle_grad_bytes_counted"])
     for counted, freed in zip(off["idle_grad_bytes_counted"], on["idle_grad_bytes_allocator"]):

@@ -20,10 +20,11 @@ from functools import partial
 
 import torch
 
-from demo.lm import Corpus, lm_layers, lm_loss
+from demo.lm import Corpus, lm_layers, lm_loss, lm_shared_weights
 from demo.memory import Ledger, PeakSampler, allocator_in_use_bytes, live_grad_bytes
 from demo.phases import PipelineProbe, action_name, comm_buffers
 from demo.trace import Recorder
+from grad_clip import ClipGradByGlobalNorm
 from pipeline import PipelineParallel
 from relgrad import (DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig)
 from sharding import (DygraphShardingOptimizer, DygraphShardingOptimizerV2,
@@ -60,13 +61,13 @@ def make_strategy(opts, mode="off"):
     return strategy
 
 
-def build_optimizer(model, strategy, hcg, opts):
-    """AdamW over the stage's params, wrapped by sharding v1 / v2 (sharding > 1) or, for
-    --main-grad without sharding, by MixPrecisionOptimizer."""
+def build_optimizer(model, strategy, hcg, opts, grad_clip=None):
+    """AdamW over the stage's params, wrapped by sharding v1 / v2 (sharding > 1; they clip
+    with `grad_clip`) or, for --main-grad without sharding, by MixPrecisionOptimizer."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts["lr"], weight_decay=0.01)
     if strategy.sharding_degree > 1:
         cls = DygraphShardingOptimizerV2 if opts["split_param"] else DygraphShardingOptimizer
-        return cls(optimizer, hcg, strategy)
+        return cls(optimizer, hcg, strategy, grad_clip=grad_clip)
     if opts["main_grad"]:
         return MixPrecisionOptimizer(optimizer)
     return optimizer
@@ -75,20 +76,33 @@ def build_optimizer(model, strategy, hcg, opts):
 class PipelineRun:
     """This repo's system: PipelineParallel over the LM with `build_optimizer`'s optimizer.
 
+    The LM ties its embedding and head (`lm_shared_weights`) and clips at global norm 1.0,
+    unless `opts["tie_and_clip"]` is False (--peers, whose torch systems clip otherwise).
     `step(x, y)` runs `train_batch` on a (micro_batch_size * micro_batches, block) int64 batch
-    and returns the loss; `phase_bytes()`, `counted_grad_bytes()` and `buffers()` describe it.
+    and returns the loss; `phase_bytes()`, `counted_grad_bytes()`, `grad_norm()` and
+    `buffers()` describe it.
     """
 
     def __init__(self, strategy, hcg, opts, vocab, device, ledger, recorder, tid):
+        tie_and_clip = opts.get("tie_and_clip", True)
         self.strategy = strategy
-        self.model = PipelineParallel(lm_layers(vocab, opts, device), hcg, strategy, lm_loss)
-        self.optimizer = build_optimizer(self.model, strategy, hcg, opts)
+        self.grad_clip = ClipGradByGlobalNorm(1.0) if tie_and_clip else None
+        self.model = PipelineParallel(lm_layers(vocab, opts, device), hcg, strategy, lm_loss,
+                                      shared_weights=lm_shared_weights(opts) if tie_and_clip
+                                      else None)
+        self.optimizer = build_optimizer(self.model, strategy, hcg, opts, self.grad_clip)
         self.probe = PipelineProbe(self.model, self.optimizer, ledger, recorder, tid)
 
     def step(self, x, y):
         """One `train_batch`; returns the loss (0-d fp32 tensor, mean over micro-batches)."""
         self.probe.start_step()
-        return self.model.train_batch((x, y), self.optimizer)
+        sharded = self.strategy.sharding_degree > 1  # then the sharding optimizer clips
+        return self.model.train_batch((x, y), self.optimizer,
+                                      grad_clip=None if sharded else self.grad_clip)
+
+    def grad_norm(self):
+        """The global grad norm before clipping in the latest step (float; None: no clip)."""
+        return None if self.grad_clip is None else float(self.grad_clip.global_norm)
 
     def phase_bytes(self):
         """This run's bytes at each of `phases.PHASES` in the latest step (None: no such)."""
@@ -122,19 +136,21 @@ def measure(builders, steps, batch, device, recorder):
     """Build every run, then train them in turns for `steps` steps; return (runs, measures).
 
     `builders`: name -> `build(ledger, recorder, tid)` returning a run with `step(x, y)`
-    (returns the loss), `params()`, and optionally `phase_bytes()`, `counted_grad_bytes()`.
+    (returns the loss), `params()`, and optionally `phase_bytes()`, `counted_grad_bytes()`,
+    `grad_norm()`.
     `batch(step)` -> (x, y), the same for every run. Measures per run: per step `losses`,
-    `idle` (bytes held right after the step, garbage collected), `counted` (grad bytes by
-    our count), `peak` (bytes), `time` (seconds); `phases` of the latest step; `built`
-    (bytes after the build). Bytes are the run's own, above what was in use before its build.
+    `grad_norms` (before clipping, or None), `idle` (bytes held right after the step,
+    garbage collected), `counted` (grad bytes by our count), `peak` (bytes), `time`
+    (seconds); `phases` of the latest step; `built` (bytes after the build). Bytes are the
+    run's own, above what was in use before its build.
     """
     runs, ledgers, out = {}, {}, {}
     for tid, (name, build) in enumerate(builders.items()):
         ledgers[name] = ledger = Ledger(device)
         ledger.begin()
         runs[name] = build(ledger, recorder, tid)
-        out[name] = {"built": ledger.end(), "losses": [], "idle": [], "counted": [],
-                     "peak": [], "time": [], "phases": None}
+        out[name] = {"built": ledger.end(), "losses": [], "grad_norms": [], "idle": [],
+                     "counted": [], "peak": [], "time": [], "phases": None}
     names = list(runs)
     for step in range(steps):
         x, y = batch(step)
@@ -149,6 +165,7 @@ def measure(builders, steps, batch, device, recorder):
             recorder.counter(time.perf_counter_ns(), allocator_in_use_bytes(device) or 0)
             recorder.span(f"step {step + 1}", names.index(name), t0, t1)
             m["losses"].append(loss)
+            m["grad_norms"].append(run.grad_norm() if hasattr(run, "grad_norm") else None)
             m["time"].append((t1 - t0) / 1e9)
             m["peak"].append(peak.peak)
             m["counted"].append(run.counted_grad_bytes()
@@ -198,6 +215,7 @@ def train_job(rank, world_size, opts):
         device, opts.get("trace") is not None)
     base = opts["modes"][0]
     equal = {mode: measures[mode]["losses"] == measures[base]["losses"]
+             and measures[mode]["grad_norms"] == measures[base]["grad_norms"]
              and all(torch.equal(a, b) for a, b in zip(runs[mode].params(), runs[base].params()))
              for mode in runs}
     for mode, run in runs.items():

@@ -22,6 +22,7 @@ class Embedding(nn.Module):
     def __init__(self, vocab, d_model, block_size):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(block_size, d_model)
+        nn.init.normal_(self.tok.weight, std=0.02)  # tied to the head: GPT-2's scale, not N(0, 1)
 
     def forward(self, idx):  # (B, T) int64 -> (B, T, d_model)
         return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
@@ -75,6 +76,12 @@ def lm_layers(vocab, opts, device):
              + [(Head, d, vocab)])
     return [partial(_seeded_layer, seed + i, main_grad, device, *spec)
             for i, spec in enumerate(specs)]
+
+
+def lm_shared_weights(opts):
+    """The LM's tie: token embedding (first layer) and head projection (last), both
+    (vocab, d_model); across stages with pp > 1, one Parameter with pp 1."""
+    return [("0.tok.weight", f"{opts['layers'] + 1}.proj.weight")]
 
 
 def load_text(path=None):

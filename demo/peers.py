@@ -34,11 +34,15 @@ _now = time.perf_counter_ns
 
 class Context:
     """What every system's builder reads: `opts` (the peers' layout: sharding 2, v2, no
-    pipeline, no dp), the topology `hcg`, `vocab` (size), `device`, and `mesh`, a 1-D device
-    mesh of all ranks made on first use (making one per build would add a group each time)."""
+    pipeline, no dp; the LM without the tie and clipping), the topology `hcg`, `vocab`
+    (size), `device`, and `mesh`, a 1-D device mesh of all ranks made on first use (making
+    one per build would add a group each time)."""
 
     def __init__(self, opts, vocab, device):
-        self.opts = {**opts, "pp": 1, "sharding": 2, "dp": 1, "split_param": True}
+        # Without the main job's tie and clipping: torch's clip_grad_norm_ sums the squares
+        # in another order, so the systems could no longer agree bit for bit.
+        self.opts = {**opts, "pp": 1, "sharding": 2, "dp": 1, "split_param": True,
+                     "tie_and_clip": False}
         self.hcg = HybridCommunicateGroup(make_strategy(self.opts))
         self.vocab, self.device, self._mesh = vocab, device, None
 

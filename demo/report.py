@@ -11,6 +11,7 @@ lists marked "per rank" are indexed by global rank):
     baseline     the mode the others are compared with ("off")
     modes        per mode ("off", "on"):
       losses                   per step, mean over the data replicas
+      grad_norms               per step, the global grad norm before clipping (clip_norm 1.0)
       idle_bytes_allocator     per rank: the whole run's in-use bytes between steps (params,
                                optimizer state, grads, buffers), above the run's start;
                                median over the steps after step 1
@@ -27,7 +28,7 @@ lists marked "per rank" are indexed by global rank):
                                  the grad bytes this mode frees between steps
       step_time_ratio          per step this mode's time / the baseline's (interleaved):
                                {"median", "iqr", "steps", "verdict"}
-      bitwise_equal            losses and final params equal the baseline's bit for bit
+      bitwise_equal            losses, grad norms and final params equal the baseline's
     bitwise_equal  every mode equals the baseline bit for bit
 """
 import dataclasses
@@ -113,6 +114,7 @@ def summarize(results, opts):
         q1, median, q3 = quartiles(times[mode][after1])
         entry = modes[mode] = {
             "losses": [statistics.fmean(m["losses"][s] for m in ms) for s in steps],
+            "grad_norms": ms[0]["grad_norms"],  # global norm before clipping, equal on all
             "idle_bytes_allocator": [_median(m["idle"][after1]) for m in ms],
             "idle_grad_bytes_counted": [max(m["counted"][after1]) for m in ms],
             "peak_bytes": [_max(m["peak"]) for m in ms],
