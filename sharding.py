@@ -14,18 +14,24 @@ buffers (v2's own, or the pipeline's) live from the first grad of a step to `cle
 Phases of `step()`: reduce -> dp all-reduce (dp > 1) -> step owned params / slices ->
 broadcast / all-gather.
 
-Leaves out: grad clipping, v1's own tensor fusion (`comm_overlap`), offload, color sharding.
+Without a pipeline, `sharding_configs.comm_overlap` (sharding's own tensor-fusion overlap)
+registers the buffers' hooks in the optimizer itself, so each bucket's reduce (v1, buckets
+grouped by owner) or reduce-scatter (v2) overlaps the last backward; `free_grads_in_comm`
+[later] frees what a rank will not read as soon as the collective is done.
+
+Leaves out: grad clipping, v1's fused params and fused optimizer, offload, color sharding.
 
 References: Paddle PRs #59739, #58462, #58621, #64517 (sharding-side release flag);
 Rajbhandari et al., "ZeRO" (2020); torch's ZeroRedundancyOptimizer.
 """
 import inspect
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, all_reduce_mean, assign_group_by_size,
-                         global_rank, main_grad_or_grad as _grad)
+                         bw_hook_func, global_rank, main_grad_or_grad as _grad)
 
 
 def _clear(p, set_to_zero):
@@ -148,9 +154,6 @@ class _Sharding(_Wrapper):
     def _setup(self, optimizer, hcg, strategy):
         pp_config = strategy.hybrid_configs["pp_configs"]
         sharding_config = strategy.hybrid_configs["sharding_configs"]
-        if sharding_config.comm_overlap:
-            raise ValueError("sharding_configs.comm_overlap (sharding's own tensor fusion) is "
-                             "not implemented here; use pp_configs.sharding_comm_overlap")
         self._hcg = hcg
         self._group = hcg.get_sharding_parallel_group()
         self._nranks = hcg.get_sharding_parallel_world_size()
@@ -170,6 +173,86 @@ class _Sharding(_Wrapper):
         self._dp_sync = (hcg.get_data_parallel_world_size() > 1
                          and not pp_config.dp_comm_overlap)
         self._reduced = False  # grads reduced by a step() and not cleared since
+        self._setup_own_overlap(strategy)
+
+    def _setup_own_overlap(self, strategy):
+        """Read and check `sharding_configs.comm_overlap` and `free_grads_in_comm`."""
+        sharding_config = strategy.hybrid_configs["sharding_configs"]
+        self.comm_overlap = sharding_config.comm_overlap
+        self._free_grads_in_comm = sharding_config.free_grads_in_comm
+        if self.comm_overlap and self.pp_overlap:  # Paddle asserts this for v1 and v2
+            raise ValueError("sharding_configs.comm_overlap and pp_configs.sharding_comm_overlap "
+                             "cannot both be on: under the pipeline its own hooks reduce the "
+                             "grads; turn sharding_configs.comm_overlap off")
+        pp_degree = strategy.hybrid_configs["pp_degree"]
+        if self.comm_overlap and pp_degree > 1:  # Paddle asserts this for v2; here for v1 too
+            raise ValueError(f"sharding_configs.comm_overlap needs pp_degree 1, got {pp_degree}: "
+                             "with a pipeline use pp_configs.sharding_comm_overlap instead")
+        if self._free_grads_in_comm and not self._buffers_released:
+            raise ValueError("sharding_configs.free_grads_in_comm needs release: turn on "
+                             "pp_configs.release_gradients (the pipeline's buffers under "
+                             "pp_configs.sharding_comm_overlap follow that flag alone) or, "
+                             "without pipeline overlap, sharding_configs.release_gradients")
+
+    def _register_own_hooks(self, buffers):
+        """comm_overlap: check every bucket param in to its buffer after each backward.
+
+        Registered at construction, so after any `register_main_grad_hooks` (torch runs them
+        in registration order; the other order raises at the first check-in). Hooks hold the
+        optimizer and buffers weakly and are removed when the optimizer is collected.
+        """
+        handles = [p.register_post_accumulate_grad_hook(_own_overlap_hook(self, b, p))
+                   for b in buffers for p in b.params]
+        weakref.finalize(self, _remove_hooks, handles)
+
+    def _too_many_micro_batches(self, buffers):
+        # Beyond Paddle (whose add_grad asserts): finish what is in flight on every rank (the
+        # same collectives were issued everywhere), reset the check-ins, then raise.
+        for buffer in buffers:
+            if buffer._task is not None:
+                buffer._task.wait()
+            buffer._reset_params_checked_in()
+        raise ValueError(f"sharding_configs.accumulate_steps={buffers[0]._acc_steps}, but a "
+                         "backward pass ran after every param had checked in that many times "
+                         "and the collectives had been issued: call step() after exactly "
+                         "accumulate_steps backward passes, or set accumulate_steps to the "
+                         "number of backward passes per step")
+
+    def _wait_own_buffers(self, buffers):
+        """comm_overlap: at step(), wait for and scale every bucket the hooks reduced.
+
+        Paddle calls `scale_grads()` on each buffer. Beyond Paddle, the ranks first agree (one
+        all-reduce of one int per bucket) that every bucket's collective was issued on every
+        rank: a param that got no grad, or fewer backward passes than accumulate_steps, leaves
+        a bucket unissued, and waiting for it would block. Then each rank raises ValueError
+        (after waiting for the buckets that were issued everywhere, so nothing is left in
+        flight). A param used on some ranks only cannot be caught so: its bucket's collective
+        is already unmatched (DDP's find_unused_parameters walks the graph for that).
+        """
+        if not buffers:
+            return
+        device = buffers[0].params[0].device
+        issued = torch.tensor([b._task is not None for b in buffers], dtype=torch.int32,
+                              device=device)
+        dist.all_reduce(issued, group=self._group)
+        issued = issued.tolist()
+        if all(n == self._nranks for n in issued):
+            for buffer in buffers:
+                buffer.scale_grads()
+            return
+        missing = [f"bucket {b._id} ({b._check_in_status()})"
+                   for b, n in zip(buffers, issued) if n < self._nranks]
+        for buffer, n in zip(buffers, issued):
+            if n == self._nranks:
+                buffer._task.wait()
+            if n in (0, self._nranks):
+                buffer._reset_params_checked_in()
+        raise ValueError(
+            "sharding_configs.comm_overlap: step() found buckets whose collective was not "
+            f"issued on every rank: {'; '.join(missing)}. Every trainable param must get a grad "
+            f"in each of accumulate_steps={buffers[0]._acc_steps} backward passes before "
+            "step(): leave unused params out of the optimizer (or set requires_grad=False "
+            "before building it), and run exactly accumulate_steps backwards per step")
 
     def _begin_step(self):
         # Beyond Paddle: a second step() would reduce already reduced grads again.
@@ -177,6 +260,26 @@ class _Sharding(_Wrapper):
             raise RuntimeError("step() ran again without clear_grad() / zero_grad() in between; "
                                "the grads are already reduced. Clear them after each step")
         self._reduced = True
+
+
+def _own_overlap_hook(optimizer, buffer, param):
+    """`bw_hook_func(buffer, param)` that first raises (via the optimizer, on every rank)
+    when a bucket whose collective is already in flight checks in again."""
+    check_in = bw_hook_func(buffer, param)
+    optimizer_ref, buffer_ref = weakref.ref(optimizer), weakref.ref(buffer)
+
+    def hook(param):
+        optimizer, buffer = optimizer_ref(), buffer_ref()
+        if optimizer is not None and buffer is not None and buffer._task is not None:
+            optimizer._too_many_micro_batches(optimizer._own_buffers())
+        check_in(param)
+
+    return hook
+
+
+def _remove_hooks(handles):
+    for handle in handles:
+        handle.remove()
 
 
 class DygraphShardingOptimizer(_Sharding):
@@ -190,11 +293,19 @@ class DygraphShardingOptimizer(_Sharding):
         strategy: e.g. `relgrad.HybridStrategy` (Paddle reads it from fleet); read here:
             `strategy.hybrid_configs["pp_configs"]`'s `sharding_comm_overlap`,
             `dp_comm_overlap`, `release_gradients`, and `...["sharding_configs"]`'s
-            `comm_overlap`, `release_gradients` (v2 also `accumulate_steps`).
+            `comm_overlap`, `accumulate_steps`, `release_gradients`, `free_grads_in_comm`, and
+            `strategy.hybrid_configs["pp_degree"]`.
     `_param2rank` maps each param (by identity; Paddle: by name) to its owner's sharding rank.
     Call `step()` after backward, then `clear_grad()` / `zero_grad()` before the next step.
-    Raises ValueError for a param with no elements or an unsupported config, RuntimeError for
-    a second `step()` without clearing the grads in between.
+    With `sharding_configs.comm_overlap` (no pipeline), `_comm_buffers` holds one REDUCE
+    buffer per owner and bucket, hooked to the params, so the reduce to the owner fires in the
+    last of `accumulate_steps` backward passes (scale the loss by 1/accumulate_steps); without
+    it, `step()` reduces grad by grad. With free_grads_in_comm, a rank drops the grads it does
+    not own once they are reduced (their buffer, or the grads themselves).
+    Raises ValueError for a param with no elements or an unsupported config (comm_overlap
+    with a pipeline, free_grads_in_comm without release), and with comm_overlap for a bucket
+    not reduced on every rank at `step()` or a backward pass too many; RuntimeError for a
+    second `step()` without clearing the grads in between.
     """
 
     def __init__(self, optimizer, hcg, strategy):
@@ -204,6 +315,32 @@ class DygraphShardingOptimizer(_Sharding):
                  for g in optimizer.param_groups]
         self._inner_opt = MixPrecisionOptimizer(optimizer, owned)
         self._expose(self._inner_opt)
+        self._comm_buffers = []
+        if self.comm_overlap:
+            self._build_comm_buffers(strategy.hybrid_configs["sharding_configs"].accumulate_steps)
+
+    def _build_comm_buffers(self, acc_steps, group_size=256 * 1024 * 1024):
+        """comm_overlap: REDUCE buffers grouped by owner (each owner's trainable params, in
+        model order), hooked to the params.
+
+        Differs from Paddle's v1 tensor fusion (`fused_parameters`), which also fuses the params
+        and the optimizer into flat tensors (fuse_param, which Paddle does not allow with
+        release) and scales before the reduce on every rank; here the params stay as they are,
+        release works, and only the owner scales, after the reduce.
+        """
+        for rank in range(self._nranks):
+            params = [p for p in self._parameter_list
+                      if p.requires_grad and self._param2rank[p] == rank]
+            dst = global_rank(self._group, rank)
+            for bucket in assign_group_by_size(params, group_size).values():
+                self._comm_buffers.append(FusedCommBuffer(
+                    len(self._comm_buffers), bucket, self._group, acc_steps, HOOK_ACTION.REDUCE,
+                    dst, release_grads=self.pp_release_grads,
+                    free_grads_in_comm=self._free_grads_in_comm))
+        self._register_own_hooks(self._comm_buffers)
+
+    def _own_buffers(self):
+        return self._comm_buffers
 
     def _partition_parameters(self):
         """Largest first, each to the rank with the fewest elements so far (ties: lowest).
@@ -232,6 +369,9 @@ class DygraphShardingOptimizer(_Sharding):
         """
         if self.pp_overlap:
             return
+        if self.comm_overlap:  # the hooks issued the reduces during backward
+            self._wait_own_buffers(self._comm_buffers)
+            return
         works = []
         for p in parameter_list:
             g = _grad(p)
@@ -241,6 +381,10 @@ class DygraphShardingOptimizer(_Sharding):
                 works.append(dist.reduce(g, dst=dst, group=self._group, async_op=True))
         for work in works:
             work.wait()
+        if self._free_grads_in_comm:  # [later]: what this rank does not own is not read
+            for p in parameter_list:
+                if self._param2rank[p] != self._rank:
+                    _clear(p, set_to_zero=False)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -263,15 +407,20 @@ class DygraphShardingOptimizer(_Sharding):
     def clear_grad(self, set_to_zero=True):
         """Zero every grad / main_grad in place, or drop them (`set_to_zero=False`).
 
-        Beyond Paddle's v1: while the pipeline's fused buffers hold the grads (sharding comm
-        overlap) and release is off, dropping them would detach them from the buffer, so
-        `set_to_zero=False` raises ValueError as v2 does.
+        Beyond Paddle's v1: while fused buffers (the pipeline's, or its own with comm_overlap)
+        hold the grads and release is off, dropping them would detach them from the buffer, so
+        `set_to_zero=False` raises ValueError as v2 does. With release and comm_overlap, its
+        own buffers are freed here, as v2's are.
         """
-        if not set_to_zero and self.pp_overlap and not self._buffers_released:
+        if (not set_to_zero and (self.pp_overlap or self.comm_overlap)
+                and not self._buffers_released):
             raise ValueError(_ERASE_MSG)
         self._reduced = False
         for p in self._parameter_list:
             _clear(p, set_to_zero)
+        if self.pp_release_grads:
+            for comm_buffer in self._comm_buffers:
+                comm_buffer._clear_grad_storage()
 
 
 class DygraphShardingOptimizerV2(_Sharding):
@@ -281,16 +430,24 @@ class DygraphShardingOptimizerV2(_Sharding):
     (at construction); the inner optimizer steps `_slice_params[param]`, a 1-D view of this
     rank's piece of it (empty until the first step). The REDUCE_SCATTER buffers are its own
     (`_build_comm_buffers`) or, with pp_configs.sharding_comm_overlap, the pipeline's (found
-    through `param.comm_buffer_ref`). Its own buffers have no hooks: with release off, backward
-    accumulates straight into their views; with release on, `reduce_gradients` copies the grads
-    in at `step()` (so `sharding_configs.accumulate_steps` only matters with hooks).
+    through `param.comm_buffer_ref`). With `sharding_configs.comm_overlap` (no pipeline) its
+    own buffers are hooked to the params, so grads land in the buffer at their first check-in
+    and the reduce-scatter fires in the last of `accumulate_steps` backward passes. Without
+    hooks, backward accumulates straight into their views (release off) or `reduce_gradients`
+    copies the grads in at `step()` (release on). With free_grads_in_comm each buffer keeps
+    only this rank's shard once reduced (see `FusedCommBuffer`); the params' grads are dropped.
     Raises ValueError for `clear_grad(set_to_zero=False)` with release off or, with release
-    on, a bucket with no grad at all at `step()`; RuntimeError if `step()` finds no buffers or
-    runs twice without clearing the grads in between.
+    on, a bucket with no grad at all at `step()`; with comm_overlap as v1 does; RuntimeError
+    if `step()` finds no buffers or runs twice without clearing the grads in between.
     """
 
     def __init__(self, optimizer, hcg, strategy):
         self._setup(optimizer, hcg, strategy)
+        if self._free_grads_in_comm and strategy.hybrid_configs["pp_configs"].delay_scale_loss:
+            raise ValueError("sharding_configs.free_grads_in_comm with split_param drops the "
+                             "params' grads after the reduce-scatter, so the pipeline's "
+                             "delay_scale_loss (which scales them) would miss the shards the "
+                             "optimizer reads; turn one of them off")
         self._slice_params = {p: torch.nn.Parameter(p.new_empty(0), p.requires_grad)
                               for p in self._parameter_list}
         slices = [[self._slice_params[p] for p in g["params"]] for g in optimizer.param_groups]
@@ -309,8 +466,14 @@ class DygraphShardingOptimizerV2(_Sharding):
         for idx, bucket in assign_group_by_size(params, group_size).items():
             buffer = FusedCommBuffer(idx, bucket, self._group, acc_steps,
                                      act=HOOK_ACTION.REDUCE_SCATTER,
-                                     release_grads=self.pp_release_grads)
+                                     release_grads=self.pp_release_grads,
+                                     free_grads_in_comm=self._free_grads_in_comm)
             self._comm_buffer_list.append(buffer)
+        if self.comm_overlap:  # Paddle's register_reduce_overlap_hook(use_comm=True)
+            self._register_own_hooks(self._comm_buffer_list)
+
+    def _own_buffers(self):
+        return self._comm_buffer_list
 
     @torch.no_grad()
     def clear_grad(self, set_to_zero=True):
@@ -356,6 +519,9 @@ class DygraphShardingOptimizerV2(_Sharding):
         """
         if self.pp_overlap:  # the pipeline's hooks reduce-scattered and scaled them
             return  # (Paddle: HybridParallelOptimizer does not call this then; see v1)
+        if self.comm_overlap:  # the hooks issued the reduce-scatters during backward
+            self._wait_own_buffers(self._comm_buffer_list)
+            return
         for comm_buffer in self._comm_buffer_list:
             if self.pp_release_grads and comm_buffer.grad_storage is None:
                 if all(_grad(p) is None for p in comm_buffer.params):  # beyond Paddle
