@@ -193,7 +193,6 @@ class FusedCommBuffer:
         self._release_grads = release_grads
         self._free_grads_in_comm = free_grads_in_comm
         self._freed_in_comm = False  # freed in scale_grads, not yet released by the caller
-        self._reduced_shard = None  # REDUCE_SCATTER + free: the collective's fresh output
         self.use_main_grad = (use_main_grad if use_main_grad is not None
                               else hasattr(params[0], "main_grad"))
         self._dtype = torch.float32 if self.use_main_grad else params[0].dtype
@@ -413,18 +412,8 @@ class FusedCommBuffer:
             self._task = dist.all_reduce(storage, group=group, async_op=True)
         elif self._act == HOOK_ACTION.REDUCE:
             self._task = dist.reduce(storage, dst=self._dst, group=group, async_op=True)
-        elif not self._free_grads_in_comm:  # in place: this rank's shard of the same buffer
+        else:  # in place: this rank's shard of the same buffer receives the reduced shard
             self._task = _reduce_scatter(self._local_shard(storage), storage, group)
-        else:
-            # free_grads_in_comm: into a fresh shard-sized tensor, so that the full buffer can
-            # go as soon as the collective has completed (scale_grads; Paddle swaps the
-            # buffers right here, at issue: its task keeps the input alive). Memory while in
-            # flight, G = buffer bytes, S = nranks: on NCCL G + G/S; on gloo G + G/S plus a
-            # full-size temporary, as torch's gloo backend runs reduce-scatter as an
-            # all-reduce of a copy. After: G/S (G with release off or without free).
-            self._reduced_shard = torch.empty(storage.numel() // self._nranks,
-                                              dtype=storage.dtype, device=storage.device)
-            self._task = _reduce_scatter(self._reduced_shard, storage, group)
 
     def _local_shard(self, buffer):
         shard = buffer.numel() // self._nranks
@@ -446,17 +435,26 @@ class FusedCommBuffer:
                                f"for: {self._check_in_status()}. A param that gets no grad in "
                                "backward never checks in; or scale_grads() already ran this step")
         self._task.wait()
+        self._task = None  # let go of the work now: on gloo it holds a full-size temporary
         reads = self._act != HOOK_ACTION.REDUCE or dist.get_rank() == self._dst
-        if self._free_grads_in_comm:
-            if self._act == HOOK_ACTION.REDUCE_SCATTER:
-                shard, self._reduced_shard = self._reduced_shard, None
-                self._reset_grad_storage(shard)
-            elif not reads:
-                self._drop_grad_storage()
-            self._freed_in_comm = True
-        if self._scale_after_comm and reads:
+        scale = self._scale_after_comm and reads
+        if self._free_grads_in_comm and self._act == HOOK_ACTION.REDUCE_SCATTER:
+            # Differs from Paddle, which reduce-scatters into a fresh shard-sized tensor and
+            # swaps the buffers at issue: here the reduce-scatter runs in place and the shard
+            # is copied out once it is done (scaled in the same pass), so the new G/S bytes
+            # (G = buffer bytes, S = nranks) are never alive beside the collective. Bytes of
+            # a bucket: NCCL, G in flight, G + G/S for the copy, then G/S. gloo adds a
+            # full-size temporary in flight (torch's gloo reduce-scatter is an all-reduce of
+            # a copy), freed with the work above; Paddle's order would hold G + G/S (+ G).
+            local = self._local_shard(self.grad_storage)
+            self._reset_grad_storage(local * (1.0 / self._nranks) if scale else local.clone())
+            scale = False
+        elif self._free_grads_in_comm and not reads:  # REDUCE, not the owner: nothing to keep
+            self._drop_grad_storage()
+        self._freed_in_comm = self._free_grads_in_comm
+        if scale:
             mine = self.grad_storage
-            if self._act == HOOK_ACTION.REDUCE_SCATTER and not self._free_grads_in_comm:
+            if self._act == HOOK_ACTION.REDUCE_SCATTER:
                 mine = self._local_shard(mine)
             mine.mul_(1.0 / self._nranks)
         self._reset_params_checked_in()

@@ -53,9 +53,25 @@ def _watch(buf, record, free):
     def scale_grads():
         full = weakref.ref(buf.grad_storage)
         grads = [weakref.ref(comm_buffer.main_grad_or_grad(p)) for p in buf.params]
-        original()
+        muls, scaled = {name: getattr(torch.Tensor, name) for name in ("mul_", "__mul__")}, []
+
+        def counting(name):
+            def mul(tensor, *args):
+                scaled.append(tensor.numel())
+                return muls[name](tensor, *args)
+            return mul
+
+        for name in muls:
+            setattr(torch.Tensor, name, counting(name))
+        try:
+            original()
+        finally:
+            for name, fn in muls.items():
+                setattr(torch.Tensor, name, fn)
         part = _read_part(buf, buf._comm_group_rank)
         record.append(None if part is None else part.clone())
+        # only what this rank reads is scaled (Paddle scales the whole buffer)
+        assert scaled == ([] if part is None else [part.numel()]), scaled
         if not free:
             return
         if part is None:  # v1, not the owner: nothing of the bucket is left
@@ -78,9 +94,11 @@ def _watch(buf, record, free):
 def _train_own(hcg, version, strategy, steps=3, batch=24, watch=None, free=False,
                counts=None):
     """No pipeline: each sharding rank trains on its slice of the batch in `acc` micro-batches;
-    returns the params after each step."""
+    returns the params after each step. With free and v1 without overlap, checks after each
+    step() that only the owned params kept their grads."""
     group_rank, nranks = dist.get_rank(), dist.get_world_size()
     acc = strategy.sharding_configs.accumulate_steps
+    overlap = strategy.sharding_configs.comm_overlap
     model = _mlp([6, 16, 4])
     opt = _CLASSES[version](OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
     buffers = opt._own_buffers()
@@ -93,12 +111,15 @@ def _train_own(hcg, version, strategy, steps=3, batch=24, watch=None, free=False
         for k, (xb, yb) in enumerate(zip(x.chunk(acc), y.chunk(acc))):
             assert all(b._task is None for b in buffers), "a collective fired too early"
             (F.mse_loss(model(xb), yb) / acc).backward()
-        assert all(b._task is not None for b in buffers), "the hooks issued no collective"
+        assert all((b._task is not None) == overlap for b in buffers), "no collective issued"
         if counts is not None:
             with _counting(counts, buffers):
                 opt.step()
         else:
             opt.step()
+        if free and version == 1 and not overlap:
+            owned = [opt._param2rank[p] == group_rank for p in model.parameters()]
+            assert [p.grad is not None for p in model.parameters()] == owned
         opt.zero_grad(set_to_none=strategy.pp_configs.release_gradients)
         traj.append([p.detach().clone() for p in model.parameters()])
     return traj, model, opt
@@ -234,27 +255,28 @@ def _check_config_errors(hcg, world):
 
 
 def free_in_comm(rank, world):
-    """No pipeline, own overlap, v1 and v2, acc 1 and 4, 3 steps: release + free_grads_in_comm
+    """No pipeline, v1 and v2, own overlap with acc 1 and 4 and, acc 1, the path without it
+    (reduce at step()), 3 steps each: release + free_grads_in_comm
     gives params bitwise equal to release off; right after each bucket's collective the part
     this rank will not read is dead and the part it reads is alive and bitwise as with
     release off."""
     hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
     for version in (1, 2):
-        for acc in (1, 4):
+        for acc, overlap in ((1, True), (4, True), (1, False)):  # without: step() reduces
             parts, trajs = {}, {}
             for free in (False, True):
                 parts[free] = []
-                st = _own_strategy(world, acc, release=free, free=free)
+                st = _own_strategy(world, acc, release=free, free=free, overlap=overlap)
                 trajs[free], _, _ = _train_own(hcg, version, st, watch=parts[free], free=free)
-            _assert_same_runs(parts, trajs)
+            _assert_same_runs(parts, trajs, buckets=overlap or version == 2)
     return "ok"
 
 
-def _assert_same_runs(parts, trajs):
-    assert len(parts[False]) == len(parts[True]) > 0
+def _assert_same_runs(parts, trajs, buckets=True):
+    assert len(parts[False]) == len(parts[True]) and (len(parts[True]) > 0) == buckets
     for a, b in zip(parts[False], parts[True]):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
-    assert any(a is not None for a in parts[True])
+    assert any(a is not None for a in parts[True]) == buckets
     for off, on in zip(trajs[False], trajs[True]):
         assert all(torch.equal(a, b) for a, b in zip(off, on))
 
