@@ -245,6 +245,14 @@ def _check_config_errors(hcg, world):
         st.pp_configs.sharding_comm_overlap = True
         with pytest.raises(ValueError, match="cannot both be on"):
             _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, st)
+        st = _own_strategy(world, 1, True)
+        st.pp_degree = 2
+        with pytest.raises(ValueError, match="comm_overlap needs pp_degree 1, got 2"):
+            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, st)
+    st = _own_strategy(world, 1, True, free=True, overlap=False)
+    st.pp_configs.delay_scale_loss = True
+    with pytest.raises(ValueError, match="delay_scale_loss .* would miss the shards"):
+        _CLASSES[2](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, st)
     params = [nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="needs release_grads=True"):
         FusedCommBuffer(0, params, None, act=HOOK_ACTION.REDUCE_SCATTER,
