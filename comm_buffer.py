@@ -154,7 +154,8 @@ class FusedCommBuffer:
             grads are dropped); REDUCE drops the whole buffer and the grads on ranks other
             than `dst`. Needs release_grads; any acc_steps (Paddle: acc_steps 1, v2 only).
 
-    Attributes: `grad_storage` (1-D, `buffer_size` elements; None while released),
+    Attributes: `grad_storage` (1-D, `buffer_size` elements; None while released; with
+    free_grads_in_comm after the collective: the shard, or None on a REDUCE non-owner),
     `param_storage` (REDUCE_SCATTER or fuse_param), `param2offset` (ALL_REDUCE / REDUCE),
     `_sharding_param_grad_view` (REDUCE_SCATTER). Params are keys by identity (Paddle: by name).
 
