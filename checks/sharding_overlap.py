@@ -314,6 +314,15 @@ def _train_pipe(hcg, version, strategy, record, free, steps=3, mbs=2):
     cls = DygraphShardingOptimizerV2 if version == 2 else DygraphShardingOptimizer
     opt = cls(OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
     acc, replica = strategy.accumulate_steps, hcg.get_sharding_parallel_rank()
+    if free:  # at the optimizer step the freed grads are still gone (v2: all params' grads,
+        inner_step = opt._inner_opt.step  # v1: those this rank does not own)
+
+        def checked_step(*args, **kwargs):
+            assert all(comm_buffer.main_grad_or_grad(p) is None for p in model.parameters()
+                       if version == 2 or opt._param2rank[p] != replica), "freed grads are back"
+            return inner_step(*args, **kwargs)
+
+        opt._inner_opt.step = checked_step
     traj = []
     for step in range(steps):
         x, y = (t.chunk(2)[replica]
