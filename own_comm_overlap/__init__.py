@@ -12,12 +12,14 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from comm_buffer import bw_hook_func
+from comm_buffer import (HOOK_ACTION, FusedCommBuffer, assign_group_by_size, bw_hook_func,
+                         global_rank)
 
 
 class _OwnOverlap:
-    """Mixed into the sharding optimizers; expects `pp_overlap`, `_buffers_released`,
-    `_group`, `_nranks` set by `_setup` and `_own_buffers()`."""
+    """Mixed into the sharding optimizers; expects `pp_overlap`, `pp_release_grads`,
+    `_buffers_released`, `_group`, `_nranks`, `_parameter_list` set by `_setup`, and
+    `_own_buffers()` (v1 also `_param2rank` and `_comm_buffers`)."""
 
     def _setup_own_overlap(self, strategy):
         """Read and check `sharding_configs.comm_overlap` and `free_grads_in_comm`."""
@@ -37,6 +39,26 @@ class _OwnOverlap:
                              "pp_configs.release_gradients (the pipeline's buffers under "
                              "pp_configs.sharding_comm_overlap follow that flag alone) or, "
                              "without pipeline overlap, sharding_configs.release_gradients")
+
+    def _build_owner_buffers(self, acc_steps, group_size=256 * 1024 * 1024):
+        """v1 with comm_overlap: fill `_comm_buffers` with REDUCE buffers grouped by owner
+        (each owner's trainable params, in model order) and hook them to the params.
+
+        Differs from Paddle's v1 tensor fusion (`fused_parameters`), which also fuses the params
+        and the optimizer into flat tensors (fuse_param, which Paddle does not allow with
+        release) and scales before the reduce on every rank; here the params stay as they are,
+        release works, and only the owner scales, after the reduce.
+        """
+        for rank in range(self._nranks):
+            params = [p for p in self._parameter_list
+                      if p.requires_grad and self._param2rank[p] == rank]
+            dst = global_rank(self._group, rank)
+            for bucket in assign_group_by_size(params, group_size).values():
+                self._comm_buffers.append(FusedCommBuffer(
+                    len(self._comm_buffers), bucket, self._group, acc_steps, HOOK_ACTION.REDUCE,
+                    dst, release_grads=self.pp_release_grads,
+                    free_grads_in_comm=self._free_grads_in_comm))
+        self._register_own_hooks(self._comm_buffers)
 
     def _register_own_hooks(self, buffers):
         """comm_overlap: check every bucket param in to its buffer after each backward.
