@@ -13,7 +13,6 @@ To add a mode: one line in MODES (the config fields it sets) and one flag in rel
 appends its name to `opts["modes"]`. A layout rule (which overlap runs where) is one line in
 `make_strategy`.
 """
-import dataclasses
 import gc
 import time
 from functools import partial
@@ -47,17 +46,17 @@ def make_strategy(opts, mode="off"):
     Raises ValueError (from the config classes) for a field value they reject.
     """
     pp, sharding, dp, overlap = opts["pp"], opts["sharding"], opts["dp"], opts["overlap"]
+    fields = {"pp_configs": {"sharding_comm_overlap": overlap and sharding > 1 and pp > 1,
+                             "dp_comm_overlap": overlap and sharding == 1 and dp > 1 and pp > 1},
+              "sharding_configs": {"split_param": opts["split_param"]}}
+    for key, value in MODES[mode].items():
+        section, name = key.split(".")
+        fields[section][name] = value
     strategy = HybridStrategy(
         dp_degree=dp, pp_degree=pp, sharding_degree=sharding,
         accumulate_steps=opts["micro_batches"], micro_batch_size=opts["micro_batch_size"],
-        pp_configs=PpConfig(
-            sharding_comm_overlap=overlap and sharding > 1 and pp > 1,
-            dp_comm_overlap=overlap and sharding == 1 and dp > 1 and pp > 1),
-        sharding_configs=DygraphShardingConfig(split_param=opts["split_param"]))
-    for key, value in MODES[mode].items():
-        section, name = key.split(".")
-        config = getattr(strategy, section)
-        setattr(strategy, section, dataclasses.replace(config, **{name: value}))
+        pp_configs=PpConfig(**fields["pp_configs"]),
+        sharding_configs=DygraphShardingConfig(**fields["sharding_configs"]))
     return strategy
 
 
