@@ -14,8 +14,10 @@ schedule every buffer is waited and scaled. `_optimizer_step` then steps and, wi
 `release_gradients`, drops the grads and frees every buffer until the next step's first backward.
 Phases of a step: warm-up -> steady 1F1B -> cool-down -> wait and scale -> step -> release.
 
-Leaves out: the interleaved (virtual stage) schedule, shared weights, AMP scaler, timers,
-freeing sent activations early (Paddle's `_release_output`).
+The interleaved schedule (virtual stages, several model chunks per rank) is the subclass
+`PipelineParallelWithInterleave` in `pipeline_schedules/interleave.py`.
+Leaves out: shared weights, AMP scaler, timers, freeing sent activations early (Paddle's
+`_release_output`).
 
 References: Paddle PRs #59739, #58441; Narayanan et al., "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM" (2021); Harlap et al., "PipeDream" (2018).
@@ -31,6 +33,21 @@ from comm_buffer import (HOOK_ACTION, FusedCommBuffer, all_reduce_mean, assign_g
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
+
+
+def _cut_layers(layers, seg_boundaries, parts):
+    """`parts + 1` rising boundaries over `layers`; default an even split by count."""
+    bounds = seg_boundaries or [len(layers) * i // parts for i in range(parts + 1)]
+    if (len(bounds) != parts + 1 or bounds[0] != 0 or bounds[-1] != len(layers)
+            or any(a > b for a, b in zip(bounds, bounds[1:]))):
+        raise ValueError(f"seg_boundaries must rise from 0 to len(layers)={len(layers)} "
+                         f"in {parts + 1} entries; got {bounds}")
+    return bounds
+
+
+def _build_segment(layers):
+    """`nn.Sequential` of `layers`; a zero-argument callable (LayerDesc) is called here."""
+    return nn.Sequential(*[l if isinstance(l, nn.Module) else l() for l in layers])
 
 
 def _clear_grad(optimizer, set_to_zero):
@@ -54,9 +71,10 @@ class PipelineParallel(nn.Module):
             micro_batch_size and pp_configs.
         loss_fn: `loss_fn(output, label) -> scalar`, mean over the micro-batch; last stage only.
         seg_boundaries: stage s holds `layers[b[s]:b[s+1]]`; default an even split by count.
-    Raises ValueError for boundaries that do not cover the layers or an overlap config that
+    Raises ValueError for boundaries that do not cover the layers, an overlap config that
     breaks Paddle's rules (dp_comm_overlap needs dp > 1 and pp > 1, sharding_comm_overlap
-    needs sharding > 1 and pp > 1, not both).
+    needs sharding > 1 and pp > 1, not both), or pp_configs.num_virtual_pipeline_stages > 1
+    (that is `PipelineParallelWithInterleave`).
     """
 
     def __init__(self, layers, hcg, strategy, loss_fn, seg_boundaries=None):
@@ -74,22 +92,17 @@ class PipelineParallel(nn.Module):
         self._release_gradients = strategy.hybrid_configs["pp_configs"].release_gradients
         self._sharding_split_param = strategy.hybrid_configs["sharding_configs"].split_param
         self._check_overlap_config(hcg)
+        # Before any communication, so that a bad config raises on every rank alike.
+        self._check_virtual_stages(getattr(pp_configs, "num_virtual_pipeline_stages", 1))
         self._comm_overlap = self._dp_comm_overlap or self._sharding_comm_overlap
-
-        layers = list(layers)
-        bounds = seg_boundaries or [len(layers) * s // self.num_stages
-                                    for s in range(self.num_stages + 1)]
-        if (len(bounds) != self.num_stages + 1 or bounds[0] != 0 or bounds[-1] != len(layers)
-                or any(a > b for a, b in zip(bounds, bounds[1:]))):
-            raise ValueError(f"seg_boundaries must rise from 0 to len(layers)={len(layers)} "
-                             f"in {self.num_stages + 1} entries; got {bounds}")
-        own = layers[bounds[self.stage_id] : bounds[self.stage_id + 1]]
-        self._layers = nn.Sequential(*[l if isinstance(l, nn.Module) else l() for l in own])
+        self._layers = self._build_layers(list(layers), seg_boundaries)
 
         self._chunk_2_comm_buffers = defaultdict(list)
         self._sharding_hooks_registered = False
         self.optimizer = self.lr_scheduler = None
-        self.schedule_trace = []  # ("F" | "B", micro-batch) in the order run: for tests
+        # ("F" | "B", micro-batch) in the order run, for tests; the interleaved schedule adds
+        # the chunk: ("F" | "B", micro-batch, chunk)
+        self.schedule_trace = []
         # With nccl, the first call on the group that batch_isend_irecv uses must involve all
         # its ranks (torch's rule for P2POp); a tiny all-reduce does that on every backend.
         dist.all_reduce(torch.zeros(1, device=self._device()),
@@ -112,6 +125,17 @@ class PipelineParallel(nn.Module):
                              f"pp_degree > 1; got sharding_degree={sharding}, pp_degree={pp}; "
                              "turn it off")
 
+    def _check_virtual_stages(self, num_virtual_stages):
+        if num_virtual_stages != 1:
+            raise ValueError(f"pp_configs.num_virtual_pipeline_stages={num_virtual_stages} "
+                             "needs the interleaved schedule: build PipelineParallelWithInterleave"
+                             " (pipeline_schedules.interleave); PipelineParallel runs 1 chunk")
+
+    def _build_layers(self, layers, seg_boundaries):
+        """This stage's `nn.Sequential` of `layers[b[s]:b[s+1]]`, built from LayerDescs."""
+        bounds = _cut_layers(layers, seg_boundaries, self.num_stages)
+        return _build_segment(layers[bounds[self.stage_id] : bounds[self.stage_id + 1]])
+
     def forward(self, x):
         """This stage's layers on `x` (no communication)."""
         return self._layers(x)
@@ -123,12 +147,14 @@ class PipelineParallel(nn.Module):
         """Build `FusedCommBuffer`s for `model`'s trainable params and hook them to `add_grad`.
 
         Action: ALL_REDUCE for dp; REDUCE to each param's owner (`param2rank`, sharding v1,
-        buckets grouped by owner); REDUCE_SCATTER with split_param (v2). Buckets go to
-        `_chunk_2_comm_buffers[chunk]` (one chunk per stage here: no virtual stages).
+        buckets grouped by owner); REDUCE_SCATTER with split_param (v2). `model` is one chunk,
+        or an `nn.ModuleList` of this rank's chunks (virtual stages, as Paddle's
+        `get_model_chunks()`); chunk i's buckets go to `_chunk_2_comm_buffers[i]`.
         """
         act = (HOOK_ACTION.ALL_REDUCE if dp else HOOK_ACTION.REDUCE_SCATTER
                if self._sharding_split_param else HOOK_ACTION.REDUCE)
-        for chunk_idx, chunk in enumerate([model]):
+        chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
+        for chunk_idx, chunk in enumerate(chunks):
             params = [p for p in chunk.parameters() if p.requires_grad]
             if not params:
                 continue  # Paddle returns from the whole loop here; we go on to the next chunk
@@ -143,7 +169,12 @@ class PipelineParallel(nn.Module):
                                              release_grads=self._release_gradients)
                     self._chunk_2_comm_buffers[chunk_idx].append(buffer)
                     for p in bucket:
-                        p.register_post_accumulate_grad_hook(bw_hook_func(buffer, p))
+                        p.register_post_accumulate_grad_hook(self.bw_hook_func(buffer, p))
+
+    def bw_hook_func(self, buffer, param):
+        """The hook each param gets (Paddle's method of this name): check in, and fire the
+        bucket's collective once all its params are in (comm_buffer.bw_hook_func)."""
+        return bw_hook_func(buffer, param)
 
     def register_sharding_comm_overlap_hook(self, optimizer):
         """Build the sharding buffers; lazily, since v1's owner map lives in the optimizer."""
@@ -280,6 +311,9 @@ class PipelineParallel(nn.Module):
         out = self._layers(x)
         if self.stage_id != self.num_stages - 1:
             return out
+        return self._loss_of(out, label)
+
+    def _loss_of(self, out, label):
         loss = self._loss_fn(out, label).float()
         if not self._delay_scale_loss:
             loss = loss / self.accumulate_steps  # the one 1/acc scaling of the loss
