@@ -148,6 +148,7 @@ class PipelineParallelWithInterleave(PipelineParallel):
         first, last = self.stage_id == 0, self.stage_id == stages - 1
         total = acc * chunks
         self.schedule_trace, self._outputs = [], []
+        self._forward_only, self._compute_loss = forward_only, compute_loss
         self._meta_sent, self._meta_recv = set(), {}
         self._total_loss = torch.zeros((), device=self._device())
         if forward_only or acc == stages:  # Megatron: all forwards first when acc == P
@@ -157,8 +158,11 @@ class PipelineParallelWithInterleave(PipelineParallel):
         steady = total - warm
         # Paddle's offset: the count reaches 1..P*V over the last P*V backward steps
         self._backward_step_count = -(total - stages * chunks)
-        ins, outs, grads = ([[] for _ in range(chunks)] for _ in range(3))
-        queues = (ins, outs, grads, inputs, labels, forward_only, compute_loss)
+        # per virtual stage, oldest first: inputs and outputs awaiting their backward, and
+        # the output grads received for them (Paddle's names)
+        self.input_tensors = ins = [[] for _ in range(chunks)]
+        self.output_tensors = outs = [[] for _ in range(chunks)]
+        self.output_tensor_grads = grads = [[] for _ in range(chunks)]
 
         def recv_input(k):  # the virtual stage whose input arrives for forward k, or None
             v = self._chunk_id(k, forward=True)
@@ -181,7 +185,7 @@ class PipelineParallelWithInterleave(PipelineParallel):
         exchange(fwd=recv_input(0))
         # warm-up: forwards only; the last one also receives the first backward's grad
         for k in range(warm):
-            out = self._forward_helper(k, *queues)
+            out = self._forward_step_helper(inputs, labels, k)
             grad_chunk = recv_grad(0) if k == warm - 1 and steady > 0 else None
             exchange(out, self._chunk_id(k, True), fwd=recv_input(k + 1), bwd=grad_chunk)
         if steady == 0 and not forward_only:
@@ -189,14 +193,14 @@ class PipelineParallelWithInterleave(PipelineParallel):
 
         # steady 1F1B: forward k + warm, backward k, then one exchange for both
         for k in range(steady):
-            out = self._forward_helper(k + warm, *queues)
-            in_grad = self._backward_helper(k, *queues)
+            out = self._forward_step_helper(inputs, labels, k + warm)
+            in_grad = self._backward_step_helper(k)
             exchange(out, self._chunk_id(k + warm, True), in_grad, self._chunk_id(k, False),
                      fwd=recv_input(k + warm + 1), bwd=recv_grad(k + 1))
 
         # cool-down: the remaining backwards
         for k in range(steady, total if not forward_only else 0):
-            in_grad = self._backward_helper(k, *queues)
+            in_grad = self._backward_step_helper(k)
             exchange(in_grad=in_grad, in_chunk=self._chunk_id(k, False), bwd=recv_grad(k + 1))
 
         # wait and scale: every chunk's collectives were issued by _overlap_comm_grads
@@ -207,29 +211,34 @@ class PipelineParallelWithInterleave(PipelineParallel):
             return torch.cat(outputs) if outputs else None
         return self._broadcast_final_loss()
 
-    def _forward_helper(self, k, ins, outs, grads, inputs, labels, forward_only, compute_loss):
+    def _is_loss_chunk(self, v):
+        return self.stage_id == self.num_stages - 1 and v == self.num_model_chunks - 1
+
+    def _forward_step_helper(self, inputs, labels, k):
+        """Forward step k: its virtual stage on its input (the data on chunk 0 of stage 0)."""
         v, micro_batch = self._chunk_id(k, forward=True), self._micro_batch_id(k)
         if self.stage_id == 0 and v == 0:
-            ins[0].append(inputs[micro_batch])
-        x = ins[v][-1]
+            self.input_tensors[0].append(inputs[micro_batch])
+        x = self.input_tensors[v][-1]  # received one step ahead, so the newest one
         self.schedule_trace.append(("F", micro_batch, v))
         out = self._layers[v](x)
-        if self.stage_id == self.num_stages - 1 and v == self.num_model_chunks - 1:
-            if compute_loss:
+        if self._is_loss_chunk(v):
+            if self._compute_loss:
                 out = self._loss_of(out, labels[micro_batch])
             else:
                 self._outputs.append(out)
-        if forward_only:
-            ins[v].pop()
+        if self._forward_only:
+            self.input_tensors[v].pop()
         else:
-            outs[v].append(out)
+            self.output_tensors[v].append(out)
         return out
 
-    def _backward_helper(self, k, ins, outs, grads, inputs, labels, forward_only, compute_loss):
+    def _backward_step_helper(self, k):
+        """Backward step k on its virtual stage's oldest pending micro-batch; returns the
+        input's grad (None for data); then `_overlap_comm_grads`."""
         v, micro_batch = self._chunk_id(k, forward=False), self._micro_batch_id(k)
-        x, out = ins[v].pop(0), outs[v].pop(0)
-        loss_chunk = self.stage_id == self.num_stages - 1 and v == self.num_model_chunks - 1
-        out_grad = None if loss_chunk else grads[v].pop(0)
+        x, out = self.input_tensors[v].pop(0), self.output_tensors[v].pop(0)
+        out_grad = None if self._is_loss_chunk(v) else self.output_tensor_grads[v].pop(0)
         self.schedule_trace.append(("B", micro_batch, v))
         if out.requires_grad:  # not on a chunk without params fed by data
             torch.autograd.backward(out, grad_tensors=out_grad)
