@@ -10,9 +10,10 @@ s, s+P, ..., s+(V-1)P: its virtual stages v = 0..V-1 (v is the key of
 of ranks V times. Each rank runs acc*V forward steps and as many backward steps; step k works
 on micro-batch (k // PV) * P + k % P, on virtual stage (k % PV) // P for forwards and the
 reverse, V-1 - (k % PV) // P, for backwards: groups of P micro-batches go through chunk 0, then
-the same group through chunk 1, and so on. Phases: warm-up (2(P-s-1) + (V-1)P forwards; all
-of them when acc == P), steady 1F1B (one forward, one backward), cool-down (the remaining
-backwards). The bubble shrinks by V, for V times the p2p messages.
+the same group through chunk 1, and so on. Phases: warm-up (2(P-s-1) + (V-1)P forwards, at
+most all; the last one also receives the first backward's grad), steady 1F1B (one forward,
+one backward, one exchange), cool-down (the remaining backwards). The bubble shrinks by V,
+for V times the p2p messages.
 
 Worked example, P=2, V=2, acc=4, 7 layers cut [0,1) [1,3) [3,5) [5,7): rank 0 holds chunks 0
 and 2 (virtual stages 0, 1), rank 1 chunks 1 and 3. ("F", micro-batch, v) on rank 0:
@@ -60,17 +61,18 @@ class PipelineParallelWithInterleave(PipelineParallel):
             raise ValueError(f"PipelineParallelWithInterleave needs pp_configs."
                              f"num_virtual_pipeline_stages >= 2, got {v!r}; with 1 build "
                              "PipelineParallel")
-        # Paddle asserts pp_degree > 2. With 2 the previous and next rank are the same one;
+        # Later Paddle asserts pp_degree > 2. With 2 the previous and next rank are the same one;
         # `_ring_p2p` posts sends and receives in an order that matches on both, so 2 works.
         if stages < 2:
             raise ValueError(f"the interleaved schedule needs pp_degree >= 2, got {stages}; "
                              "set num_virtual_pipeline_stages=1 for a single stage")
         if acc % stages:
+            near = sorted({max(acc // stages * stages, stages), (acc // stages + 1) * stages})
             raise ValueError(
                 f"the interleaved schedule needs accumulate_steps to be a multiple of "
                 f"pp_degree (micro-batches go through each chunk in groups of pp_degree); got "
                 f"accumulate_steps={acc}, pp_degree={stages}; use accumulate_steps="
-                f"{acc // stages * stages or stages} or {(acc // stages + 1) * stages}")
+                + " or ".join(map(str, near)))
         self.num_model_chunks = v
 
     def _build_layers(self, layers, seg_boundaries):
@@ -151,7 +153,7 @@ class PipelineParallelWithInterleave(PipelineParallel):
         self._forward_only, self._compute_loss = forward_only, compute_loss
         self._meta_sent, self._meta_recv = set(), {}
         self._total_loss = torch.zeros((), device=self._device())
-        if forward_only or acc == stages:  # Megatron: all forwards first when acc == P
+        if forward_only:
             warm = total
         else:
             warm = min(2 * (stages - self.stage_id - 1) + (chunks - 1) * stages, total)
@@ -186,10 +188,8 @@ class PipelineParallelWithInterleave(PipelineParallel):
         # warm-up: forwards only; the last one also receives the first backward's grad
         for k in range(warm):
             out = self._forward_step_helper(inputs, labels, k)
-            grad_chunk = recv_grad(0) if k == warm - 1 and steady > 0 else None
+            grad_chunk = recv_grad(0) if k == warm - 1 and not forward_only else None
             exchange(out, self._chunk_id(k, True), fwd=recv_input(k + 1), bwd=grad_chunk)
-        if steady == 0 and not forward_only:
-            exchange(bwd=recv_grad(0))
 
         # steady 1F1B: forward k + warm, backward k, then one exchange for both
         for k in range(steady):
