@@ -125,7 +125,8 @@ def _probe(collectives, release, fires_at):
         original = FusedCommBuffer._copy_grad_to_buffer
 
         def spy(self, param):
-            allocations.append(self) if self.grad_storage is None else None
+            if self.grad_storage is None:
+                allocations.append(self)
             return original(self, param)
 
         FusedCommBuffer._copy_grad_to_buffer = spy
