@@ -332,8 +332,8 @@ def test_interleave_schedule_and_errors(ranks):
 
 
 def test_interleave_pp_only(ranks):
-    """Check pp 2 x 2 virtual stages trains bitwise as plain 1F1B and as one process, release
-    on == off."""
+    """Check pp 2 x 2 virtual stages (also with delay_scale_loss) trains bitwise as plain 1F1B
+    and as one process, release on == off."""
     ranks(2).run(interleave.pp_only)
 
 

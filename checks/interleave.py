@@ -222,10 +222,11 @@ def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad
 
 
 def pp_only(rank, world):
-    """pp 2, 2 virtual stages (2 ranks): 4 micro-batches with SGD and Adam, and 2 (= pp, so
-    rank 0 runs every forward in its warm-up), release off and on."""
-    for acc, opt_name in ((4, "sgd"), (4, "adam"), (2, "sgd")):
-        strategy = _strategy(pp=2, acc=acc)
+    """pp 2, 2 virtual stages (2 ranks): 4 micro-batches with SGD, Adam and delay_scale_loss,
+    and 2 (= pp, so rank 0 runs every forward in its warm-up), release off and on."""
+    for acc, opt_name, delay in ((4, "sgd", False), (4, "adam", False), (4, "sgd", True),
+                                 (2, "sgd", False)):
+        strategy = _strategy(pp=2, acc=acc, delay_scale_loss=delay)
         _check_case(HybridCommunicateGroup(strategy), strategy, None, opt_name)
     return "ok"
 
