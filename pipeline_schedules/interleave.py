@@ -264,6 +264,8 @@ class PipelineParallelWithInterleave(PipelineParallel):
         Differs from `PipelineParallel._p2p`: neighbours wrap round, and a meta message goes
         once per batch and boundary (chunk), by a non-blocking send, so two ranks that send
         each other their first activation in the same exchange (pp 2) do not both wait.
+        (Paddle's helper caches one shape for every message, `p2p_cache_shape`; one per
+        boundary lets chunk outputs differ in shape.)
         With pp 2 both neighbours are one rank: its sends are posted activation first, grad
         second, and so are its receives, so they pair up in order.
         """
@@ -272,7 +274,8 @@ class PipelineParallelWithInterleave(PipelineParallel):
         nxt = self._hcg.get_rank_from_stage((self.stage_id + 1) % stages)
         meta_works, ops, got_prev, got_next = [], [], None, None
         if send_next is not None and send_chunk not in self._meta_sent:
-            meta_works.append(dist.isend(self._meta(send_next), dst=nxt, group=group))
+            meta = self._meta(send_next)  # held here until its send is done
+            meta_works.append((meta, dist.isend(meta, dst=nxt, group=group)))
             self._meta_sent.add(send_chunk)
         if recv_prev is not None and recv_prev not in self._meta_recv:
             meta = torch.zeros(_META_LEN, dtype=torch.long, device=self._device())
@@ -293,7 +296,7 @@ class PipelineParallelWithInterleave(PipelineParallel):
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        for work in meta_works:
+        for _, work in meta_works:
             work.wait()
         if got_prev is not None:
             got_prev.requires_grad_(got_prev.is_floating_point())
