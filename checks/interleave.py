@@ -52,10 +52,11 @@ ORDER = {
 FIRES_AT = [{1: (B, 3, 1), 0: (B, 3, 0)}, {1: (B, 2, 0), 0: (B, 3, 0)}]
 
 
-def _interleaved(strategy, hcg, layers=None, vpp=2):
+def _interleaved(strategy, hcg, layers=None, vpp=2, bounds=None):
     strategy = copy.deepcopy(strategy)
     strategy.pp_configs.num_virtual_pipeline_stages = vpp
-    return PipelineParallelWithInterleave(layers or _pipe_layers(), hcg, strategy, _mse)
+    return PipelineParallelWithInterleave(layers or _pipe_layers(), hcg, strategy, _mse,
+                                          bounds)
 
 
 def schedule_and_errors(rank, world):
@@ -140,6 +141,7 @@ def _probe(collectives, release, fires_at):
         by_chunk = model._chunk_2_comm_buffers
         if model._comm_overlap:
             assert sorted(by_chunk) == [0, 1] and all(by_chunk.values()), "a bucket per chunk"
+            assert model.accumulate_steps == 4 and fires_at is not None  # FIRES_AT's case
         buffers = [b for bs in by_chunk.values() for b in bs]
         for chunk, chunk_buffers in by_chunk.items():
             last = model.schedule_trace.index(("B", model.accumulate_steps - 1, chunk))
@@ -161,13 +163,14 @@ def _probe(collectives, release, fires_at):
     return probe
 
 
-def _train(hcg, strategy, vpp, wrap, opt_name, dtype, main_grad, steps, mbs, probe=None):
+def _train(hcg, strategy, vpp, wrap, opt_name, dtype, main_grad, steps, mbs, probe=None,
+           bounds=None):
     """Losses and whole-model params after each step, trained with `vpp` virtual stages."""
     layers = _tag_layers(dtype, main_grad)
     if vpp == 1:
         model = PipelineParallel(layers, hcg, strategy, _mse)
     else:
-        model = _interleaved(strategy, hcg, layers, vpp)
+        model = _interleaved(strategy, hcg, layers, vpp, bounds)
     opt = OPTIMIZERS[opt_name](model.parameters())
     if wrap:
         opt = wrap(opt, hcg, strategy)
@@ -186,7 +189,7 @@ def _train(hcg, strategy, vpp, wrap, opt_name, dtype, main_grad, steps, mbs, pro
 
 
 def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad=False,
-                steps=3, mbs=2):
+                steps=3, mbs=2, bounds=None):
     replicas = base.dp_degree * base.sharding_degree
     oracle_losses, oracle = _pipe_oracle(opt_name, steps, replicas * base.accumulate_steps * mbs,
                                          dtype, main_grad)
@@ -199,13 +202,15 @@ def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad
         for release in (False, True):
             strategy = copy.deepcopy(base)
             strategy.pp_configs.release_gradients = release
-            probe = _probe(collectives, release, FIRES_AT[hcg.get_stage_id()])
+            # the overlap cases are pp 2 x 4 micro-batches, whose firing table is FIRES_AT
+            fires_at = FIRES_AT[hcg.get_stage_id()] if base.pp_degree == 2 else None
+            probe = _probe(collectives, release, fires_at)
 
             def tracked(model, opt, data, probe=probe):
                 model_ref[0] = model
                 return probe(model, opt, data)
 
-            runs[release] = _train(hcg, strategy, 2, *args, probe=tracked)
+            runs[release] = _train(hcg, strategy, 2, *args, probe=tracked, bounds=bounds)
     finally:
         restore()
     tol = dict(rtol=0, atol=2e-2) if main_grad else dict(rtol=1e-5, atol=1e-6)
@@ -232,8 +237,8 @@ def pp_only(rank, world):
 
 
 def with_sharding_and_dp(rank, world):
-    """pp 2 x sharding 2 (v1, v2; overlap on and off; v2 with bf16 params and fp32 main grads)
-    and pp 2 x dp 2 with dp overlap, 2 virtual stages, on 4 ranks."""
+    """pp 2 x sharding 2 (v1, v2; overlap on and off; v2 with bf16 params and fp32 main grads),
+    pp 2 x dp 2 with dp overlap, and pp 4 (4 and 8 micro-batches), 2 virtual stages, 4 ranks."""
     for version, overlap, main_grad in ((1, True, False), (1, False, False), (2, True, False),
                                         (2, False, False), (2, True, True)):
         strategy = _strategy(pp=2, sharding=2, acc=4, sharding_comm_overlap=overlap,
@@ -243,4 +248,11 @@ def with_sharding_and_dp(rank, world):
                     torch.bfloat16 if main_grad else torch.float32, main_grad)
     strategy = _strategy(dp=2, pp=2, acc=4, dp_comm_overlap=True)
     _check_case(HybridCommunicateGroup(strategy), strategy, None, "adam")
+    # pp 4: distinct neighbours round the ring. The 4 Linears go one per rank in the first
+    # lap; the second lap's chunks are empty (the identity), so activations still go round
+    # twice, rank 3 -> rank 0 in between.
+    for acc in (4, 8):
+        strategy = _strategy(pp=4, acc=acc)
+        _check_case(HybridCommunicateGroup(strategy), strategy, None, "sgd",
+                    bounds=[0, 1, 3, 5, 7, 7, 7, 7, 7])
     return "ok"
