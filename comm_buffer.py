@@ -311,6 +311,13 @@ class FusedCommBuffer:
         self._release_grads = release_grads
         self.use_main_grad = (use_main_grad if use_main_grad is not None
                               else hasattr(params[0], "main_grad"))
+        # Beyond Paddle (which decides from params[0] alone): the others would get zero
+        # grads, or an AttributeError at the first check-in.
+        without = [i for i, p in enumerate(params) if not hasattr(p, "main_grad")]
+        if use_main_grad is None and 0 < len(without) < len(params):
+            raise ValueError(f"bucket {id}: params #{without} have no main_grad while others "
+                             "do; call register_main_grad_hooks on every param of the model, "
+                             "or on none, before building buffers (or pass use_main_grad)")
         self._dtype = torch.float32 if self.use_main_grad else params[0].dtype
         self._task = None
         self._params_step_dict = {}  # param -> check-ins this step; popped at acc_steps

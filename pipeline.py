@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from comm_buffer import (HOOK_ACTION, FusedCommBuffer, all_reduce_mean, assign_group_by_size,
+from comm_buffer import (HOOK_ACTION, FusedCommBuffer, assign_group_by_size,
                          bw_hook_func, global_rank, main_grad_or_grad as _grad)
+from optim_wrappers.grad_agreement import agreed_all_reduce_mean
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
@@ -350,8 +351,10 @@ class PipelineParallel(nn.Module):
                 if _grad(p) is not None:
                     _grad(p).mul_(1.0 / self.accumulate_steps)
         if self._needs_dp_sync():  # HybridParallelOptimizer.step's dp all-reduce
-            grads = [_grad(p) for p in self._layers.parameters() if _grad(p) is not None]
-            all_reduce_mean(grads, self._hcg.get_data_parallel_group())
+            # Beyond Paddle: which params have a grad is agreed over dp first (a param one
+            # replica's loss left out would otherwise make the ranks issue different
+            # all-reduces); those without one contribute zeros, as in DDP.
+            agreed_all_reduce_mean(self._layers.parameters(), self._hcg.get_data_parallel_group())
         self.optimizer.step()
         if self._release_gradients:
             _clear_grad(self.optimizer, set_to_zero=False)

@@ -11,32 +11,25 @@ broadcast from its owner. v2 lays each bucket's params into one *flat padded buf
 each rank a contiguous shard of it: grads are reduce-scattered in place, each rank steps 1-D
 slice params over its shard, and the param buffer is all-gathered back. With release the grad
 buffers (v2's own, or the pipeline's) live from the first grad of a step to `clear_grad`.
-Phases of `step()`: reduce -> dp all-reduce (dp > 1) -> step owned params / slices ->
-broadcast / all-gather.
+Phases of `step()`: agree (one small all-reduce of flags: which params have a grad on some
+rank, misuse seen anywhere) -> reduce -> dp all-reduce (dp > 1) -> step owned params / slices
+-> broadcast / all-gather. Both keep torch's optimizer contract (`optim_wrappers.torch_face`).
 
-Leaves out: grad clipping, v1's own tensor fusion (`comm_overlap`), offload, color sharding.
+Leaves out: grad clipping, v1's own tensor fusion (`comm_overlap`), offload, color sharding,
+torch.amp.GradScaler (refused with a clear error).
 
 References: Paddle PRs #59739, #58462, #58621, #64517 (sharding-side release flag);
 Rajbhandari et al., "ZeRO" (2020); torch's ZeroRedundancyOptimizer.
 """
-import inspect
-
 import torch
 import torch.distributed as dist
 
-from comm_buffer import (HOOK_ACTION, FusedCommBuffer, all_reduce_mean, assign_group_by_size,
-                         global_rank, main_grad_or_grad as _grad)
-
-
-def _clear(p, set_to_zero):
-    """Zero `p`'s main_grad / grad in place, or drop them (Paddle's clear_grad_func)."""
-    for name in ("main_grad", "grad"):
-        g = getattr(p, name, None)
-        if g is not None:
-            if set_to_zero:
-                g.zero_()
-            else:
-                setattr(p, name, None)
+from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _share_param_buffer,
+                         all_reduce_mean, assign_group_by_size, global_rank,
+                         main_grad_or_grad as _grad)
+from optim_wrappers.grad_agreement import agree, fill_missing_grads
+from optim_wrappers.master_weights import MixPrecisionOptimizer
+from optim_wrappers.torch_face import _Wrapper, clear_grad_func as _clear
 
 
 _ERASE_MSG = ("should not erase grad buffer: with release_gradients off the grads are views of "
@@ -44,106 +37,25 @@ _ERASE_MSG = ("should not erase grad buffer: with release_gradients off the grad
               "zero_grad(set_to_none=True) is not allowed. Use zero_grad(set_to_none=False), "
               "or turn pp_configs.release_gradients on.")
 
-
-class _Wrapper(torch.optim.Optimizer):
-    """Common torch face of the wrappers: `param_groups` and `state` are the inner optimizer's
-    (so torch LR schedulers work), `zero_grad(set_to_none)` is `clear_grad(not set_to_none)`,
-    `state_dict()` is this rank's state."""
-
-    def _expose(self, inner):
-        torch.optim.Optimizer.__init__(self, inner.param_groups, inner.defaults)
-        self.param_groups, self.state = inner.param_groups, inner.state
-
-    def zero_grad(self, set_to_none=True):
-        """torch's spelling of `clear_grad(set_to_zero=not set_to_none)`, same rules."""
-        self.clear_grad(set_to_zero=not set_to_none)
-
-    def state_dict(self):
-        """This rank's optimizer state (its shard of it, for v1 and v2)."""
-        return self._inner_opt.state_dict()
-
-    def load_state_dict(self, state_dict):
-        """Load what this rank's `state_dict()` returned."""
-        self._inner_opt.load_state_dict(state_dict)
-
-
-class MixPrecisionOptimizer(_Wrapper):
-    """Step `optimizer`'s class and hyper-parameters on fp32 masters, reading `main_grad`.
-
-    Mirrors Paddle's `MixPrecisionOptimizer` (mix_precision_utils.py) plus the fp32 master
-    weights that Paddle's `multi_precision` optimizers keep; torch optimizers have none. Each
-    *target* (a model param, or a v2 slice param) of dtype other than fp32 gets an fp32 master;
-    `step()` feeds it `main_grad` (fp32) or the grad, steps, copies the master back into the
-    target and drops the master's grad, so no reference outlives the step (a released buffer
-    must be freeable). fp32 targets are stepped directly: for them this is a pass-through.
-
-    Args:
-        optimizer: a torch optimizer; used as a template (class, groups, hyper-parameters).
-        params: one list of targets per param group of `optimizer`; default its own params.
-            Targets may be empty placeholders filled later (v2 slices); masters follow them.
-    Raises ValueError if `step()` gets a closure.
-    """
-
-    def __init__(self, optimizer, params=None):
-        if params is None:
-            params = [g["params"] for g in optimizer.param_groups]
-        self._targets = [t for group in params for t in group]
-        self._masters = {t: t.detach().float() for t in self._targets
-                         if t.dtype != torch.float32}
-        groups = []
-        for group, targets in zip(optimizer.param_groups, params):
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**hyper, "params": [self._masters.get(t, t) for t in targets]})
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        self._inner_opt = type(optimizer)(groups, **kwargs)  # AdamW's defaults hold extra keys
-        self._expose(self._inner_opt)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One optimizer step on every target that has a main_grad or grad (others skipped)."""
-        if closure is not None:
-            raise ValueError("closure is not supported by the sharding wrappers; call the "
-                             "model yourself and then step()")
-        bound = []
-        for t in self._targets:
-            main_grad, master = getattr(t, "main_grad", None), self._masters.get(t)
-            if master is not None:
-                if master.shape != t.shape:  # a v2 slice was filled after construction
-                    master.data = t.detach().float()
-                grad = _grad(t)
-                master.grad = None if grad is None else grad.float()  # no copy for fp32
-                bound.append(master)
-            elif main_grad is not None:  # fp32 param with an fp32 main_grad
-                t.grad = main_grad
-                bound.append(t)
-        self._inner_opt.step()
-        for t, master in self._masters.items():
-            if master.grad is not None:
-                t.copy_(master)
-        for p in bound:
-            p.grad = None
-
-    @torch.no_grad()
-    def clear_grad(self, set_to_zero=True):
-        """Zero every target's main_grad / grad in place, or drop them (Paddle's clear_grad)."""
-        for t in self._targets:
-            _clear(t, set_to_zero)
-
-    def state_dict(self):
-        """The inner optimizer's state plus the fp32 masters (in target order)."""
-        return {"inner": self._inner_opt.state_dict(),
-                "masters": [m.clone() for m in self._masters.values()]}
-
-    def load_state_dict(self, state_dict):
-        """Load what `state_dict()` returned, masters included."""
-        self._inner_opt.load_state_dict(state_dict["inner"])
-        for m, saved in zip(self._masters.values(), state_dict["masters"]):
-            m.data = saved.clone()
+_MOVED_MSG = ("a param is no longer a view of sharding v2's flat param buffer and has another "
+              "dtype or device (e.g. model.to(torch.float64) after DygraphShardingOptimizerV2 "
+              "was built); steps would not reach it. Build the optimizer after moving the model")
+_UNFROZEN_MSG = ("a param frozen when DygraphShardingOptimizerV2 was built requires grad now; it "
+                 "has no slot in the grad buffers, so it would never train. Build the optimizer "
+                 "after unfreezing it (or with it trainable)")
+_MAIN_GRAD_MSG = ("a param's main_grad does not match its bucket (which reads main_grad iff its "
+                  "params had one when DygraphShardingOptimizerV2 was built): "
+                  "register_main_grad_hooks ran on some params only, or after the optimizer was "
+                  "built. Register them on every param, before building the optimizer")
+_NO_GRAD_MSG = ("no param has a grad on any rank at step(): did zero_grad() run between backward "
+                "and step()? Clear grads after step(). Or were the model's params replaced "
+                "after the optimizer was built (model.load_state_dict(..., assign=True), "
+                "model.to_empty())? Build the optimizer after that, or load without assign.")
 
 
 class _Sharding(_Wrapper):
-    """What v1 and v2 share: flags, groups and whether to all-reduce over dp."""
+    """What v1 and v2 share: flags, groups, whether to all-reduce over dp, and the agreement
+    on grads and misuse that opens every `step()`."""
 
     def _setup(self, optimizer, hcg, strategy):
         pp_config = strategy.hybrid_configs["pp_configs"]
@@ -178,6 +90,28 @@ class _Sharding(_Wrapper):
                                "the grads are already reduced. Clear them after each step")
         self._reduced = True
 
+    def _agree_grads(self, has_grad, rules):
+        """Beyond Paddle: agree on every rank of the sharding (and dp) group, in one small
+        all-reduce per group, on the misuse `rules` (raised on every rank, see
+        `grad_agreement.agree`) and on which params have a grad anywhere; give the others a
+        zero grad here, so that every rank issues the same reduces. Returns the agreed flags,
+        one per `_parameter_list` entry. Raises ValueError if no trainable param has a grad
+        on any rank (Paddle's v2 fails there too; torch would silently step nothing)."""
+        groups = [self._group]
+        if self._hcg.get_data_parallel_world_size() > 1:
+            groups.append(self._hcg.get_data_parallel_group())
+        params = self._parameter_list
+        if params:
+            device = params[0].device
+        else:  # a stage without params: nccl still needs the flags on the GPU
+            nccl = dist.get_backend(self._group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+        anywhere = agree(has_grad, rules, groups, device)
+        if any(p.requires_grad for p in params) and not any(anywhere):
+            raise ValueError(_NO_GRAD_MSG)
+        fill_missing_grads(params, anywhere)
+        return anywhere
+
 
 class DygraphShardingOptimizer(_Sharding):
     """Sharding v1: whole params, greedy owners, reduce -> step owned -> broadcast.
@@ -193,8 +127,10 @@ class DygraphShardingOptimizer(_Sharding):
             `comm_overlap`, `release_gradients` (v2 also `accumulate_steps`).
     `_param2rank` maps each param (by identity; Paddle: by name) to its owner's sharding rank.
     Call `step()` after backward, then `clear_grad()` / `zero_grad()` before the next step.
-    Raises ValueError for a param with no elements or an unsupported config, RuntimeError for
-    a second `step()` without clearing the grads in between.
+    Raises ValueError for a param with no elements or an unsupported config, at `step()` (on
+    every rank) for no grad on any rank, a closure or a GradScaler, and from
+    `add_param_group` as it says; RuntimeError for a second `step()` without clearing the
+    grads in between.
     """
 
     def __init__(self, optimizer, hcg, strategy):
@@ -202,17 +138,23 @@ class DygraphShardingOptimizer(_Sharding):
         self._param2rank = self._partition_parameters()
         owned = [[p for p in g["params"] if self._param2rank[p] == self._rank]
                  for g in optimizer.param_groups]
+        self._zeroed = {}  # param id -> (grad id, grad _version) right after clear_grad zeroed
         self._inner_opt = MixPrecisionOptimizer(optimizer, owned)
         self._expose(self._inner_opt)
 
-    def _partition_parameters(self):
+    def _partition_parameters(self, params=None):
         """Largest first, each to the rank with the fewest elements so far (ties: lowest).
 
         Sorting by size is develop's `FLAGS_sharding_sort_parameters` (default on); whether the
         seed commit sorted already is uncertain.
         """
         sizes, param2rank = [0] * self._nranks, {}
-        for p in sorted(self._parameter_list, key=lambda p: -p.numel()):
+        if params is None:
+            params = self._parameter_list
+        else:  # add_param_group: go on from the loads so far
+            for p, rank in self._param2rank.items():
+                sizes[rank] += p.numel()
+        for p in sorted(params, key=lambda p: -p.numel()):
             if p.numel() == 0:
                 raise ValueError(f"a param of shape {tuple(p.shape)} has no elements; "
                                  "leave it out of the optimizer")
@@ -235,23 +177,53 @@ class DygraphShardingOptimizer(_Sharding):
         works = []
         for p in parameter_list:
             g = _grad(p)
-            if g is not None:
+            if g is not None:  # the same params on every rank: step() agreed on them first
                 g.mul_(1.0 / self._nranks)
                 dst = global_rank(self._group, self._param2rank[p])
                 works.append(dist.reduce(g, dst=dst, group=self._group, async_op=True))
         for work in works:
             work.wait()
 
+    def add_param_group(self, param_group):
+        """torch's `add_param_group` through sharding: the new params get owners (largest
+        first, to the least loaded rank), this rank's inner optimizer a group of those it owns
+        (maybe empty, so group indices match on every rank). Call it alike on every rank.
+        Raises ValueError for a param already in the optimizer, or under the pipeline's
+        sharding_comm_overlap (its buffers are laid out from the owners already).
+        """
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if self.pp_overlap:
+            raise ValueError("add_param_group is not supported with pp_configs."
+                             "sharding_comm_overlap: the pipeline's buffers are built from the "
+                             "owners; build the torch optimizer with every group first")
+        known = {id(p) for p in self._parameter_list}
+        if any(id(p) in known for p in params) or len({id(p) for p in params}) < len(params):
+            raise ValueError("add_param_group: some params are already in the optimizer (or "
+                             "repeated); a param belongs to one group")
+        self._param2rank.update(self._partition_parameters(params))
+        self._parameter_list += params
+        owned = [p for p in params if self._param2rank[p] == self._rank]
+        self._inner_opt.add_param_group({**param_group, "params": owned})
+
     @torch.no_grad()
     def step(self, closure=None):
-        """Reduce to owners -> dp all-reduce of owned grads -> step owned -> broadcast all."""
+        """Agree on grads -> reduce to owners -> dp all-reduce of owned grads -> step owned ->
+        broadcast all. A param is stepped iff some rank has a grad for it (torch's rule).
+        Raises ValueError as `_agree_grads` and `_check_step_args` say, on every rank."""
+        self._check_step_args(closure)
+        anywhere = self._agree_grads(self._has_grad(), [])
+        for p, some_rank in zip(self._parameter_list, anywhere):
+            if not some_rank:  # a zeroed grad nobody wrote: not stepped (torch: None)
+                _clear(p, set_to_zero=False)
         self._begin_step()
         self.reduce_gradients(self._parameter_list, self._hcg)
         owned = [p for p in self._parameter_list if self._param2rank[p] == self._rank]
-        if self._dp_sync:
+        if self._dp_sync:  # the same grads on every dp rank: agreed above
             all_reduce_mean([_grad(p) for p in owned if _grad(p) is not None],
                             self._hcg.get_data_parallel_group())
-        self._inner_opt.step(closure)
+        # The owned grads are reduced and final here (where a grad clip reads them).
+        self._inner_opt.step()
         # _sharding_sync_parameters: every param from its owner
         works = [dist.broadcast(p.detach(), src=global_rank(self._group, self._param2rank[p]),
                                 group=self._group, async_op=True)
@@ -272,6 +244,16 @@ class DygraphShardingOptimizer(_Sharding):
         self._reduced = False
         for p in self._parameter_list:
             _clear(p, set_to_zero)
+        # Beyond Paddle: a grad zeroed here and still untouched at step() is no grad (v2's
+        # grads are buffer views, never None, and v2 must not step them: same rule here).
+        self._zeroed = {id(p): (id(g), g._version) for p in self._parameter_list
+                        if (g := _grad(p)) is not None}
+
+    def _has_grad(self):
+        """Per param: this rank has a grad that backward (or the user) wrote since the last
+        clear_grad (in-place accumulation bumps the grad's `_version`)."""
+        return [(g := _grad(p)) is not None and self._zeroed.get(id(p)) != (id(g), g._version)
+                for p in self._parameter_list]
 
 
 class DygraphShardingOptimizerV2(_Sharding):
@@ -284,9 +266,10 @@ class DygraphShardingOptimizerV2(_Sharding):
     through `param.comm_buffer_ref`). Its own buffers have no hooks: with release off, backward
     accumulates straight into their views; with release on, `reduce_gradients` copies the grads
     in at `step()` (so `sharding_configs.accumulate_steps` only matters with hooks).
-    Raises ValueError for `clear_grad(set_to_zero=False)` with release off or, with release
-    on, a bucket with no grad at all at `step()`; RuntimeError if `step()` finds no buffers or
-    runs twice without clearing the grads in between.
+    Raises ValueError for `clear_grad(set_to_zero=False)` with release off, and at `step()`
+    (on every rank) for no grad on any rank or state changed behind its back since it was
+    built (`_misuse_rules`); RuntimeError if `step()` finds no buffers or runs twice without
+    clearing the grads in between.
     """
 
     def __init__(self, optimizer, hcg, strategy):
@@ -299,6 +282,19 @@ class DygraphShardingOptimizerV2(_Sharding):
         self._comm_buffer_list = []
         acc_steps = strategy.hybrid_configs["sharding_configs"].accumulate_steps
         self._build_comm_buffers(acc_steps)
+        self._track_grads()
+
+    def _track_grads(self):
+        """Beyond Paddle: note (by id) each param that backward reaches until clear_grad.
+        With release off its grad is a view of the buffer, never None, so None cannot tell
+        torch's "no grad this step" apart; this hook can. It holds only the set of ids."""
+        self._produced = set()
+        if self.pp_overlap:  # the pipeline's buffers make every param check in each step
+            return
+        mark = self._produced.add
+        self._track_handles = [
+            p.register_post_accumulate_grad_hook(lambda param: mark(id(param)))
+            for p in self._parameter_list if p.requires_grad]
 
     def _build_comm_buffers(self, acc_steps, group_size=256 * 1024 * 1024):
         if self.pp_overlap:
@@ -324,6 +320,7 @@ class DygraphShardingOptimizerV2(_Sharding):
         if not self._buffers_released and not set_to_zero:
             raise ValueError(_ERASE_MSG)
         self._reduced = False
+        self._produced.clear()
         for p in self._parameter_list:
             _clear(p, set_to_zero)
         if self.pp_release_grads:
@@ -352,19 +349,32 @@ class DygraphShardingOptimizerV2(_Sharding):
         """Reduce-scatter every buffer and scale by 1/nranks (no-op under pipeline overlap).
 
         Seed hunk: with release, a buffer that is still absent (no hook has checked grads in:
-        the non-overlap path) first gets every param's grad copied in.
+        the non-overlap path) first gets every param's grad copied in. Beyond Paddle, with
+        release off a grad that is no longer its slot's view is put back (`_relink_grads`).
         """
         if self.pp_overlap:  # the pipeline's hooks reduce-scattered and scaled them
             return  # (Paddle: HybridParallelOptimizer does not call this then; see v1)
         for comm_buffer in self._comm_buffer_list:
             if self.pp_release_grads and comm_buffer.grad_storage is None:
-                if all(_grad(p) is None for p in comm_buffer.params):  # beyond Paddle
-                    raise ValueError("no param of a bucket has a grad at step(): did zero_grad() "
-                                     "run between backward and step()? Clear grads after step()")
                 for param in comm_buffer.params:
                     comm_buffer._copy_grad_to_buffer(param)
+            elif not self.pp_release_grads:
+                self._relink_grads(comm_buffer)
             comm_buffer._comm_grads()
             comm_buffer.scale_grads()
+
+    @torch.no_grad()
+    def _relink_grads(self, comm_buffer):
+        """Beyond Paddle: with release off, v2 reduces the buffer, not the grads. A grad
+        rebound since it was linked (model.zero_grad(), `p.grad = t`, model.to(...)) would be
+        left out silently; copy it into its slot (zeros for None) and re-point it, as release
+        does every step."""
+        for param in comm_buffer.params:
+            slot = comm_buffer._sharding_param_grad_view[param]._slice_grad_from_buffer()
+            grad = _grad_of(param, comm_buffer.use_main_grad)
+            if grad is None or grad.data_ptr() != slot.data_ptr():
+                slot.zero_() if grad is None else slot.copy_(grad.reshape(-1))
+                _set_grad(param, comm_buffer.use_main_grad, slot.view(param.shape))
 
     def _assign_slice_grad(self):
         for comm_buffer in self._comm_buffer_list:
@@ -381,17 +391,72 @@ class DygraphShardingOptimizerV2(_Sharding):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Reduce-scatter -> bind slices -> dp all-reduce of slice grads -> step -> all-gather."""
-        self._begin_step()
+        """Agree on grads and misuse -> reduce-scatter -> bind slices -> dp all-reduce of
+        slice grads -> step -> all-gather. A param is stepped iff some rank produced a grad for
+        it since the last clear_grad (backward reached it, or a grad was assigned)."""
+        self._check_step_args(closure)
         self._collect_comm_buffers()
+        rules = self._misuse_rules()
+        anywhere = self._agree_grads(self._has_grad(), rules)
+        self._begin_step()
         self.reduce_gradients(self._parameter_list, self._hcg)
         self._assign_slice_grad()
+        # Differs from Paddle's v2, which steps every slice, a param without a grad included
+        # (its zero slot): Adam's moments and AdamW's decay would move it. As in torch and v1,
+        # a param no rank has a grad for is not stepped; release on and off alike.
+        for p, some_rank in zip(self._parameter_list, anywhere):
+            if not some_rank:
+                _clear(self._slice_params[p], set_to_zero=False)
         # Differs from Paddle, whose HybridParallelOptimizer all-reduces over dp before the
         # slices are bound (so it misses them on the first step and after a release).
         if self._dp_sync:
             grads = [_grad(s) for s in self._slice_params.values()]
             all_reduce_mean([g for g in grads if g is not None],
                             self._hcg.get_data_parallel_group())
-        self._inner_opt.step(closure)
+        # The slice grads are reduced and final here (where a grad clip reads them).
+        self._inner_opt.step()
         for comm_buffer in self._comm_buffer_list:  # _sharding_sync_parameters
             comm_buffer.sync_params()
+
+    def _has_grad(self):
+        """Per param: this rank produced a grad since the last clear_grad."""
+        if self.pp_overlap:
+            return [_grad(p) is not None for p in self._parameter_list]
+        linked = set()  # ids of params whose grad is still its slot's view (release off)
+        for buf in self._comm_buffer_list:
+            storage = buf.grad_storage
+            for p in buf.params if storage is not None else ():
+                index = buf._sharding_param_grad_view[p]._index
+                grad = _grad_of(p, buf.use_main_grad)
+                if grad is not None and grad.data_ptr() == (storage.data_ptr()
+                                                             + index * storage.element_size()):
+                    linked.add(id(p))
+        return [id(p) in self._produced or (_grad(p) is not None and id(p) not in linked)
+                for p in self._parameter_list]
+
+    def _misuse_rules(self):
+        """Beyond Paddle: state changed behind v2's back since it was built, as `(rule,
+        detail)` pairs for `_agree_grads`, which raises them on every rank. A param that only
+        stopped being a view of its slot in the flat param buffer (model.to(float64).to(
+        float32)) is put back into it with its current value, which is exact."""
+        moved, unfrozen, main_grad, in_buffer = [], [], [], set()
+        name = {id(p): f"param #{i} (shape {tuple(p.shape)}, {p.dtype})"
+                for i, p in enumerate(self._parameter_list)}
+        for buf in self._comm_buffer_list:
+            storage = buf.param_storage
+            for p in buf.params:
+                in_buffer.add(id(p))
+                index = buf._sharding_param_grad_view[p]._index
+                if p.data_ptr() != storage.data_ptr() + index * storage.element_size():
+                    if p.dtype == storage.dtype and p.device == storage.device:
+                        _share_param_buffer(p, storage, index)
+                    else:
+                        moved.append(name[id(p)])
+                if (buf.use_main_grad and not hasattr(p, "main_grad")) or (
+                        not buf.use_main_grad and getattr(p, "main_grad", None) is not None):
+                    main_grad.append(name[id(p)])
+        unfrozen = [name[id(p)] for p in self._parameter_list
+                    if p.requires_grad and id(p) not in in_buffer]
+        return [(_MOVED_MSG, ", ".join(moved) or None),
+                (_UNFROZEN_MSG, ", ".join(unfrozen) or None),
+                (_MAIN_GRAD_MSG, ", ".join(main_grad) or None)]

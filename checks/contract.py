@@ -1,0 +1,357 @@
+"""Rank-side checks of the torch optimizer contract of the wrappers (v1, v2, MixPrecision).
+
+Each scenario is a small input a torch user writes, with its right value computed by hand in
+the comment beside it (or one process training the same model), never read from the wrapper.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from comm_buffer import register_main_grad_hooks
+from pipeline import PipelineParallel
+from relgrad import HybridCommunicateGroup
+from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
+from checks.common import _data, _mlp, _oracle, _same_on_all, _strategy, OPTIMIZERS
+
+V1, V2 = DygraphShardingOptimizer, DygraphShardingOptimizerV2
+
+
+class _Params(nn.Module):
+    """Scalar params `a`, `b`, ... (shape (1,)) with given start values."""
+
+    def __init__(self, dtype=torch.float32, **values):
+        super().__init__()
+        for name, value in values.items():
+            self.register_parameter(name, nn.Parameter(torch.tensor([value], dtype=dtype)))
+
+
+def _groups(world, dp=1, release=False):
+    strategy = _strategy(sharding=world // dp, dp=dp, release=release)
+    return HybridCommunicateGroup(strategy), strategy
+
+
+def _wrap(kind, opt, hcg, strategy):
+    return MixPrecisionOptimizer(opt) if kind == "mix" else kind(opt, hcg, strategy)
+
+
+def _value(p):
+    return p.detach().float().item()
+
+
+def _both_releases(hcg, strategy):
+    for release in (False, True):
+        st = copy.deepcopy(strategy)
+        st.pp_configs.release_gradients = release
+        yield release, st
+
+
+def groups_after_load(rank, world):
+    """param_groups / state re-read after load_state_dict: an LR set then reaches the step;
+    a scheduler on the wrapped torch optimizer raises."""
+    hcg, strategy = _groups(world)
+    for kind in ("mix", V1, V2):
+        for release, st in _both_releases(hcg, strategy):
+            m = _Params(w=1.0)
+            opt = _wrap(kind, torch.optim.SGD(m.parameters(), lr=1.0), hcg, st)
+            opt.load_state_dict(opt.state_dict())
+            opt.param_groups[0]["lr"] = 0.5
+            m.w.grad = torch.ones(1)
+            opt.step()
+            assert _value(m.w) == 0.5, (kind, _value(m.w))  # 1 - 0.5 * 1
+            opt.zero_grad(set_to_none=release)
+            # an LR scheduler built before the load (a resumed run) still drives the step
+            m = _Params(w=1.0)
+            opt = _wrap(kind, torch.optim.SGD(m.parameters(), lr=1.0), hcg, st)
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.25)
+            opt.load_state_dict(opt.state_dict())
+            sched.step()  # lr 1.0 -> 0.25
+            (m.w * 2).sum().backward()
+            opt.step()
+            assert _value(m.w) == 0.5, (kind, _value(m.w))  # 1 - 0.25 * 2
+            assert opt.state is opt._inner_opt.state
+            opt.zero_grad(set_to_none=release)
+            # a scheduler built on the torch optimizer before wrapping never reaches the step
+            m = _Params(w=1.0)
+            template = torch.optim.SGD(m.parameters(), lr=1.0)
+            sched = torch.optim.lr_scheduler.StepLR(template, 1, gamma=0.25)
+            opt = _wrap(kind, template, hcg, st)
+            sched.step()
+            (m.w * 2).sum().backward()
+            with pytest.raises(ValueError, match="Build the scheduler on the wrapper"):
+                opt.step()
+            assert _value(m.w) == 1.0
+    return "ok"
+
+
+def masters_reload(rank, world):
+    """bf16 + main_grad: weights loaded into the model after a step are what trains."""
+    hcg, strategy = _groups(world)
+    for kind in ("mix", V1, V2):
+        for release, st in _both_releases(hcg, strategy):
+            m = _Params(torch.bfloat16, w=1.0)
+            register_main_grad_hooks(m.parameters())
+            opt = _wrap(kind, torch.optim.SGD(m.parameters(), lr=0.5), hcg, st)
+            m.w.sum().backward()  # grad 1 on every rank
+            opt.step()
+            opt.zero_grad(set_to_none=release)
+            assert _value(m.w) == 0.5  # 1 - 0.5 * 1
+            m.load_state_dict({"w": torch.tensor([4.0], dtype=torch.bfloat16)})
+            m.w.sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=release)
+            assert _value(m.w) == 3.5, (kind, _value(m.w))  # 4 - 0.5 * 1, not 0.5 - 0.5
+            # untouched targets keep their fp32 masters: three steps of 1e-3 from 1.0 give
+            # 0.997, which is 0.99609375 in bf16 (a master reloaded each step stays at 1.0)
+            m = _Params(torch.bfloat16, w=1.0)
+            register_main_grad_hooks(m.parameters())
+            opt = _wrap(kind, torch.optim.SGD(m.parameters(), lr=1e-3), hcg, st)
+            for _ in range(3):
+                m.w.sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=release)
+            assert _value(m.w) == 0.99609375, (kind, _value(m.w))
+    return "ok"
+
+
+def add_param_group(rank, world):
+    """v1 shards an added group (b = -1.0 on both ranks); MixPrecision gives it a master;
+    v2 raises naming the alternative."""
+    hcg, strategy = _groups(world)
+    for release, st in _both_releases(hcg, strategy):
+        m = _Params(a=1.0, b=1.0)
+        opt = V1(torch.optim.SGD([m.a], lr=1.0), hcg, st)
+        opt.add_param_group({"params": [m.b]})
+        assert len(opt.param_groups) == 2  # on every rank, owner or not
+        (m.b * (1 if rank == 0 else 3)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=release)
+        assert _value(m.b) == -1.0, _value(m.b)  # 1 - 1.0 * (1 + 3) / 2
+        assert _value(m.a) == 1.0  # no grad anywhere: not stepped
+        with pytest.raises(ValueError, match="already in the optimizer"):
+            opt.add_param_group({"params": [m.a]})
+        m = _Params(a=1.0, b=1.0)
+        opt = V2(torch.optim.SGD([m.a], lr=1.0), hcg, st)
+        with pytest.raises(ValueError, match="build the torch optimizer with every group"):
+            opt.add_param_group({"params": [m.b]})
+    m = _Params(torch.bfloat16, a=1.0, b=1.0)
+    register_main_grad_hooks(m.parameters())
+    opt = MixPrecisionOptimizer(torch.optim.SGD([m.a], lr=1.0))
+    opt.add_param_group({"params": [m.b], "lr": 0.5})
+    assert opt.param_groups[1]["params"][0].dtype == torch.float32  # its master
+    (m.a + m.b).sum().backward()
+    opt.step()
+    assert (_value(m.a), _value(m.b)) == (0.0, 0.5)
+    return "ok"
+
+
+def hooks(rank, world):
+    """torch's step and state_dict / load_state_dict hooks run on the wrappers."""
+    hcg, strategy = _groups(world)
+    for kind in ("mix", V1, V2):
+        m = _Params(w=1.0)
+        opt = _wrap(kind, torch.optim.SGD(m.parameters(), lr=1.0), hcg, strategy)
+        calls = []
+        opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o is opt)))
+        opt.register_step_post_hook(lambda o, a, k: calls.append(("post", o is opt)))
+        opt.register_state_dict_pre_hook(lambda o: calls.append(("sd_pre", o is opt)))
+        opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 7})
+        opt.register_load_state_dict_pre_hook(
+            lambda o, sd: {k: v for k, v in sd.items() if k != "extra"})
+        opt.register_load_state_dict_post_hook(lambda o: calls.append(("load_post", o is opt)))
+        m.w.sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        saved = opt.state_dict()
+        assert saved["extra"] == 7
+        opt.load_state_dict(saved)  # the pre-hook strips "extra" before the inner load
+        assert calls == [("pre", True), ("post", True), ("sd_pre", True), ("load_post", True)]
+        assert _value(m.w) == 0.0
+    return "ok"
+
+
+def grad_on_some_ranks(rank, world, dp=1):
+    """A param left out of one rank's loss: no hang, stepped on the mean with zeros for the
+    missing grads (one process on the whole batch), v1 and v2, release off and on."""
+    hcg, strategy = _groups(world, dp)
+    for kind in (V1, V2):
+        for release, st in _both_releases(hcg, strategy):
+            m = _Params(a=1.0, b=1.0, c=1.0)
+            opt = kind(torch.optim.SGD(m.parameters(), lr=1.0), hcg, st)
+            k = 2 * rank + 1
+            loss = m.a * k + (m.b * k if rank != world - 1 else 0)  # c: no grad anywhere
+            loss.sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=release)
+            if world == 2:  # a: 1 - (1 + 3) / 2; b: 1 - (1 + 0) / 2
+                assert (_value(m.a), _value(m.b)) == (-1.0, 0.5), (_value(m.a), _value(m.b))
+            else:  # a: 1 - (1 + 3 + 5 + 7) / 4; b: 1 - (1 + 3 + 5 + 0) / 4
+                assert (_value(m.a), _value(m.b)) == (-3.0, -1.25), (_value(m.a), _value(m.b))
+            assert _value(m.c) == 1.0
+    return "ok"
+
+
+def pipeline_dp_grad_on_some_ranks(rank, world):
+    """pp 2 x dp 2 without overlap: a grad on one dp replica only reaches both, no hang."""
+    strategy = _strategy(dp=2, pp=2)
+    hcg = HybridCommunicateGroup(strategy)
+    layers = [nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False)]
+    model = PipelineParallel(layers, hcg, strategy, F.mse_loss)
+    (w,) = model.parameters()
+    with torch.no_grad():
+        w.fill_(1.0)
+    if hcg.get_data_parallel_rank() == 0:
+        w.grad = torch.full_like(w, 2.0)
+    model.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model._optimizer_step()
+    assert _value(w) == 0.0, _value(w)  # 1 - (2 + 0) / 2
+    return "ok"
+
+
+def _train(model, opt, hcg, steps=3, batch=8, set_to_none=True):
+    traj, n, r = [], hcg.get_sharding_parallel_world_size(), hcg.get_sharding_parallel_rank()
+    for step in range(steps):
+        x, y = (t.chunk(n)[r] for t in _data(step, batch, 6, 4))
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        traj.append([p.detach().clone() for p in model.parameters()])
+    return traj
+
+
+def _assert_oracle(traj, oracle):
+    for got, want in zip(traj, oracle):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def v2_model_moved(rank, world):
+    """v2, model.to(float64).to(float32) after building: trains as one process; a model left
+    in float64 raises on every rank."""
+    hcg, strategy = _groups(world)
+    oracle = _oracle(lambda: _mlp([6, 16, 4]), "sgd", 3, 8)
+    for release, st in _both_releases(hcg, strategy):
+        model = _mlp([6, 16, 4])
+        opt = V2(OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+        model.to(torch.float64).to(torch.float32)
+        _assert_oracle(_train(model, opt, hcg, set_to_none=release), oracle)
+        model = _mlp([6, 16, 4])
+        opt = V2(OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+        model.to(torch.float64)
+        F.mse_loss(model(_data(0, 8, 6, 4)[0].double()), torch.zeros(8, 4).double()).backward()
+        with pytest.raises(ValueError, match="dtype or device"):
+            opt.step()
+    return "ok"
+
+
+def unfrozen_param(rank, world):
+    """Built while a layer is frozen, trained after unfreezing: v1 trains it as one process
+    does; v2 raises on every rank (it has no slot)."""
+    hcg, strategy = _groups(world)
+    oracle = _oracle(lambda: _mlp([6, 16, 4]), "sgd", 3, 8)
+    for release, st in _both_releases(hcg, strategy):
+        for kind in (V1, V2):
+            model = _mlp([6, 16, 4])
+            model[2].requires_grad_(False)
+            opt = kind(OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+            model[2].requires_grad_(True)
+            if kind is V1:
+                _assert_oracle(_train(model, opt, hcg, set_to_none=release), oracle)
+            else:
+                F.mse_loss(model(_data(0, 8, 6, 4)[0]), torch.zeros(8, 4)).backward()
+                with pytest.raises(ValueError, match="frozen when DygraphShardingOptimizerV2"):
+                    opt.step()
+    return "ok"
+
+
+def main_grad_some_layers(rank, world):
+    """bf16, main-grad hooks on some layers only: v2 raises at construction (one bucket) or,
+    hooks added after building, at step() on every rank."""
+    hcg, strategy = _groups(world)
+    for _, st in _both_releases(hcg, strategy):
+        model = _mlp([6, 16, 4]).to(torch.bfloat16)
+        register_main_grad_hooks(model[0].parameters())
+        with pytest.raises(ValueError, match="have no main_grad while others do"):
+            V2(OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+        model = _mlp([6, 16, 4]).to(torch.bfloat16)
+        opt = V2(OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+        register_main_grad_hooks(model[0].parameters())
+        model(torch.ones(2, 6, dtype=torch.bfloat16)).float().sum().backward()
+        with pytest.raises(ValueError, match="main_grad does not match its bucket"):
+            opt.step()
+    return "ok"
+
+
+def zero_grad_before_step(rank, world):
+    """zero_grad() between backward and step(): v1 and v2 raise alike on every rank, and a
+    model whose params were replaced (load_state_dict(assign=True)) raises the same way."""
+    hcg, strategy = _groups(world)
+    for release, st in _both_releases(hcg, strategy):
+        for kind in (V1, V2):
+            model = _mlp([6, 16, 4])
+            opt = kind(OPTIMIZERS["adam"](model.parameters()), hcg, st)
+            F.mse_loss(model(torch.ones(2, 6)), torch.zeros(2, 4)).backward()
+            opt.zero_grad(set_to_none=release)
+            with pytest.raises(ValueError, match="did zero_grad\\(\\) run between backward"):
+                opt.step()
+            model = _mlp([6, 16, 4])
+            opt = kind(OPTIMIZERS["adam"](model.parameters()), hcg, st)
+            model.load_state_dict(_mlp([6, 16, 4], seed=1).state_dict(), assign=True)
+            F.mse_loss(model(torch.ones(2, 6)), torch.zeros(2, 4)).backward()
+            with pytest.raises(ValueError, match="assign=True"):
+                opt.step()
+    return "ok"
+
+
+def no_grad_not_stepped(rank, world):
+    """AdamW (weight decay) with a layer no rank uses: v1 and v2 leave it untouched, as one
+    process does, release on == off bitwise, the rest equal to one process."""
+    hcg, strategy = _groups(world)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.ModuleList([nn.Linear(6, 4), nn.Linear(3, 3)])  # [1] is never called
+
+    def run(model, opt, replicas, replica):
+        traj = []
+        for step in range(3):
+            x, y = (t.chunk(replicas)[replica] for t in _data(step, 8, 6, 4))
+            F.mse_loss(model[0](x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=release)
+            traj.append([p.detach().clone() for p in model.parameters()])
+        return traj
+
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+    for kind in (V1, V2):
+        trajs = {}
+        for release, st in _both_releases(hcg, strategy):
+            model = make()
+            start = [p.detach().clone() for p in model[1].parameters()]
+            trajs[release] = run(model, kind(adamw(model.parameters()), hcg, st),
+                                 world, rank)
+            assert all(torch.equal(a, b) for a, b in zip(start, model[1].parameters()))
+        for off, on in zip(trajs[False], trajs[True]):
+            assert all(torch.equal(a, b) for a, b in zip(off, on))
+        release = True
+        model = make()
+        _assert_oracle(trajs[True], run(model, adamw(model.parameters()), 1, 0))
+    return "ok"
+
+
+def grad_scaler(rank, world):
+    """torch.amp.GradScaler driving a wrapper raises on every rank; params unchanged."""
+    hcg, strategy = _groups(world)
+    for kind in ("mix", V1, V2):
+        m = _Params(w=1.0)
+        opt = _wrap(kind, torch.optim.SGD(m.parameters(), lr=1.0), hcg, strategy)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        scaler.scale(m.w * (rank + 1)).sum().backward()
+        with pytest.raises(ValueError, match="GradScaler cannot drive"):
+            scaler.step(opt)
+        assert _value(m.w) == 1.0
+        assert _same_on_all([m.w])
+    return "ok"
