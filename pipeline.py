@@ -14,10 +14,12 @@ schedule every buffer is waited and scaled. `_optimizer_step` then steps and, wi
 `release_gradients`, drops the grads and frees every buffer until the next step's first backward.
 Phases of a step: warm-up -> steady 1F1B -> cool-down -> wait and scale -> step -> release.
 
-The interleaved schedule (virtual stages, several model chunks per rank) is the subclass
+Weights tied across stages (`shared_weights`, Paddle's SharedLayerDesc) live in
+`shared_weights/`; global-norm clipping (`grad_clip`) in `grad_clip/`. The interleaved
+schedule (virtual stages, several model chunks per rank) is the subclass
 `PipelineParallelWithInterleave` in `pipeline_schedules/interleave.py`.
-Leaves out: shared weights, AMP scaler, timers, freeing sent activations early (Paddle's
-`_release_output`).
+
+Leaves out: AMP scaler, timers, freeing sent activations early (Paddle's `_release_output`).
 
 References: Paddle PRs #59739, #58441; Narayanan et al., "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM" (2021); Harlap et al., "PipeDream" (2018).
@@ -30,7 +32,9 @@ from torch import nn
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, assign_group_by_size,
                          bw_hook_func, global_rank, main_grad_or_grad as _grad)
+from grad_clip import ClipGradByGlobalNorm, norm_groups
 from optim_wrappers.grad_agreement import agreed_all_reduce_mean
+from shared_weights import SharedWeights
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
@@ -72,13 +76,20 @@ class PipelineParallel(nn.Module):
             micro_batch_size and pp_configs.
         loss_fn: `loss_fn(output, label) -> scalar`, mean over the micro-batch; last stage only.
         seg_boundaries: stage s holds `layers[b[s]:b[s+1]]`; default an even split by count.
+        shared_weights: None or a list of ties, each a tuple of param names in the whole layer
+            list, e.g. `[("0.tok.weight", "5.proj.weight")]` (Paddle's SharedLayerDesc): the
+            copies start equal (broadcast from the first holder), their grads are summed over
+            the holding stages after the schedule, before any dp / sharding collective reads
+            them (with comm overlap, their buckets wait for that sum), so they stay equal;
+            see `shared_weights.SharedWeights` for the rules and the errors it raises.
     Raises ValueError for boundaries that do not cover the layers, an overlap config that
     breaks Paddle's rules (dp_comm_overlap needs dp > 1 and pp > 1, sharding_comm_overlap
     needs sharding > 1 and pp > 1, not both), or pp_configs.num_virtual_pipeline_stages > 1
     (that is `PipelineParallelWithInterleave`).
     """
 
-    def __init__(self, layers, hcg, strategy, loss_fn, seg_boundaries=None):
+    def __init__(self, layers, hcg, strategy, loss_fn, seg_boundaries=None,
+                 shared_weights=None):
         super().__init__()
         pp_configs = strategy.hybrid_configs["pp_configs"]
         self._hcg, self._strategy, self._loss_fn = hcg, strategy, loss_fn
@@ -96,7 +107,7 @@ class PipelineParallel(nn.Module):
         # Before any communication, so that a bad config raises on every rank alike.
         self._check_virtual_stages(getattr(pp_configs, "num_virtual_pipeline_stages", 1))
         self._comm_overlap = self._dp_comm_overlap or self._sharding_comm_overlap
-        self._layers = self._build_layers(list(layers), seg_boundaries)
+        self._layers, bounds = self._build_layers(list(layers), seg_boundaries)
 
         self._chunk_2_comm_buffers = defaultdict(list)
         self._sharding_hooks_registered = False
@@ -108,6 +119,9 @@ class PipelineParallel(nn.Module):
         # its ranks (torch's rule for P2POp); a tiny all-reduce does that on every backend.
         dist.all_reduce(torch.zeros(1, device=self._device()),
                         group=hcg.get_pipe_parallel_group())
+        self._shared = SharedWeights(self._layers, hcg, shared_weights, bounds, self._device())
+        self._grad_clip = None
+        self._grads_pending = False  # a schedule ran and no _optimizer_step since
         if self._dp_comm_overlap:
             self.fused_gradient(self._layers, hcg.get_data_parallel_group(),
                                 self.accumulate_steps, dp=True)
@@ -133,9 +147,10 @@ class PipelineParallel(nn.Module):
                              " (pipeline_schedules.interleave); PipelineParallel runs 1 chunk")
 
     def _build_layers(self, layers, seg_boundaries):
-        """This stage's `nn.Sequential` of `layers[b[s]:b[s+1]]`, built from LayerDescs."""
+        """This stage's `nn.Sequential` of `layers[b[s]:b[s+1]]`, built from LayerDescs, and
+        the boundaries b."""
         bounds = _cut_layers(layers, seg_boundaries, self.num_stages)
-        return _build_segment(layers[bounds[self.stage_id] : bounds[self.stage_id + 1]])
+        return _build_segment(layers[bounds[self.stage_id] : bounds[self.stage_id + 1]]), bounds
 
     def forward(self, x):
         """This stage's layers on `x` (no communication)."""
@@ -169,12 +184,15 @@ class PipelineParallel(nn.Module):
                     buffer = FusedCommBuffer(idx, bucket, comm_group, acc_steps, act, dst,
                                              release_grads=self._release_gradients)
                     self._chunk_2_comm_buffers[chunk_idx].append(buffer)
+                    hook = self._shared.hook_func(bucket, buffer)  # a tied copy: check in only
+                    if hook is bw_hook_func:  # untied: this schedule's own hook
+                        hook = self.bw_hook_func
                     for p in bucket:
-                        p.register_post_accumulate_grad_hook(self.bw_hook_func(buffer, p))
+                        p.register_post_accumulate_grad_hook(hook(buffer, p))
 
     def bw_hook_func(self, buffer, param):
-        """The hook each param gets (Paddle's method of this name): check in, and fire the
-        bucket's collective once all its params are in (comm_buffer.bw_hook_func)."""
+        """The hook each untied param gets (Paddle's method of this name): check in, and fire
+        the bucket's collective once all its params are in (comm_buffer.bw_hook_func)."""
         return bw_hook_func(buffer, param)
 
     def register_sharding_comm_overlap_hook(self, optimizer):
@@ -193,21 +211,37 @@ class PipelineParallel(nn.Module):
 
     # ---- one training step ----
 
-    def train_batch(self, data, optimizer, lr_scheduler=None):
+    def train_batch(self, data, optimizer, lr_scheduler=None, grad_clip=None):
         """Run 1F1B over `data = (inputs, labels)` (batch dim 0), then `_optimizer_step`.
 
         Every rank of the pipe passes the same batch; stage 0 reads the inputs, the last
         stage the labels. Returns the loss averaged over micro-batches (0-d fp32 tensor), the
         same on every rank of this pipe. Raises ValueError if the batch does not split into
         `accumulate_steps` micro-batches (of `micro_batch_size`, if set).
+
+        `grad_clip`: None or a `grad_clip.ClipGradByGlobalNorm`, for a plain torch optimizer.
+        Paddle finds it inside the optimizer (its `grad_clip`); a torch optimizer has no such
+        slot, so it is passed here beside the optimizer, as `lr_scheduler` is. It runs in
+        `_optimizer_step` after the dp all-reduce, before the step and the release, over the
+        whole model (summed over the pipe). A sharding optimizer takes it in its constructor
+        instead (it clips inside its `step()`, after its reduce); passing it here too raises
+        ValueError; another type raises TypeError.
         """
-        self._prepare_training(optimizer, lr_scheduler)
+        self._check_accumulation()  # before _prepare_training builds sharding buffers
+        self._prepare_training(optimizer, lr_scheduler, grad_clip)
         self.train()
         loss = self.forward_backward_pipeline(data)
         self._optimizer_step()
         return loss
 
-    def _prepare_training(self, optimizer, lr_scheduler):
+    def _prepare_training(self, optimizer, lr_scheduler, grad_clip=None):
+        if grad_clip is not None and not isinstance(grad_clip, ClipGradByGlobalNorm):
+            raise TypeError(f"grad_clip must be None or grad_clip.ClipGradByGlobalNorm, got "
+                            f"{type(grad_clip).__name__}")
+        if grad_clip is not None and hasattr(optimizer, "reduce_gradients"):
+            raise ValueError("a sharding optimizer clips in its own step(): pass grad_clip to "
+                             f"{type(optimizer).__name__}(..., grad_clip=), not to train_batch")
+        self._grad_clip = grad_clip
         sharding = self._hcg.get_sharding_parallel_world_size()
         if sharding > 1 and not hasattr(optimizer, "reduce_gradients"):
             raise ValueError(f"sharding_degree={sharding} needs a sharding optimizer "
@@ -224,8 +258,19 @@ class PipelineParallel(nn.Module):
         """Warm-up, steady 1F1B and cool-down over `data`; no optimizer step.
 
         Leaves this stage's grads accumulated over the micro-batches (and, with comm overlap,
-        reduced and scaled); returns the loss as `train_batch` does and raises as it does.
+        reduced and scaled; tied copies summed over their stages); returns the loss as
+        `train_batch` does and raises as it does.
+
+        Several calls before one step (accumulating over calls): allowed, and exact, only when
+        the pipeline itself communicates no grads at the end of a schedule, i.e. without comm
+        overlap and without `shared_weights`: the grads just add up in `.grad` and the
+        optimizer's reduce in `step()` reads their sum. With comm overlap or shared weights
+        the collectives or the tied sum would run once per call (the second reduce mixing
+        reduced and new grads), so a second call before `_optimizer_step` / `train_batch`
+        raises ValueError, on every rank and before any communication. Use accumulate_steps
+        micro-batches in one call instead.
         """
+        self._check_accumulation()
         inputs, labels = self._micro_batches(data)
         acc, self.schedule_trace = self.accumulate_steps, []
         self._meta_sent = self._meta_recv = None
@@ -266,6 +311,9 @@ class PipelineParallel(nn.Module):
             self._p2p(send_prev=self._backward_step(x_done, out_done, out_grad, bwd))
             bwd += 1
 
+        self._grads_pending = True
+        # tied copies: sum over their stages, then fire their buckets (held back in backward)
+        self._shared.allreduce_shared_weight_gradients()
         # wait and scale: the collectives were issued by the hooks of the last backward
         if self._comm_overlap:
             for buffers in self._chunk_2_comm_buffers.values():
@@ -355,6 +403,10 @@ class PipelineParallel(nn.Module):
             # replica's loss left out would otherwise make the ranks issue different
             # all-reduces); those without one contribute zeros, as in DDP.
             agreed_all_reduce_mean(self._layers.parameters(), self._hcg.get_data_parallel_group())
+        if self._grad_clip is not None:  # on reduced grads, before the step and the release
+            self._grad_clip([(p, _grad(p)) for p in self._layers.parameters()],
+                            norm_groups(self._hcg), self._device())
+        self._grads_pending = False
         self.optimizer.step()
         if self._release_gradients:
             _clear_grad(self.optimizer, set_to_zero=False)
@@ -365,6 +417,16 @@ class PipelineParallel(nn.Module):
             _clear_grad(self.optimizer, set_to_zero=True)
         if self.lr_scheduler:
             self.lr_scheduler.step()
+
+    def _check_accumulation(self):
+        # Made from the call history, the same on every rank: all raise, none communicates.
+        if self._grads_pending and (self._comm_overlap or self._shared):
+            what = "comm overlap" if self._comm_overlap else "shared_weights"
+            raise ValueError(
+                f"forward_backward_pipeline ran again before the optimizer step: with {what} "
+                "the grads are already reduced / summed once per call, so a second call would "
+                "reduce them again. Accumulate in one call (accumulate_steps micro-batches), "
+                "or step (train_batch / _optimizer_step) between calls")
 
     # ---- point-to-point between neighbouring stages ----
 

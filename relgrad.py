@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comm_buffer import register_main_grad_hooks
+from grad_clip import ClipGradByGlobalNorm
 from pipeline import PipelineParallel
 from sharding import (DygraphShardingOptimizer, DygraphShardingOptimizerV2,
                       MixPrecisionOptimizer)
@@ -334,6 +335,7 @@ class Embedding(nn.Module):
     def __init__(self, vocab, d_model, block_size):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(block_size, d_model)
+        nn.init.normal_(self.tok.weight, std=0.02)  # tied to the head: GPT-2's scale, not N(0, 1)
 
     def forward(self, idx):  # (B, T) int64 -> (B, T, d_model)
         return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
@@ -389,6 +391,12 @@ def lm_layers(vocab, opts, device):
             for i, spec in enumerate(specs)]
 
 
+def lm_shared_weights(opts):
+    """The LM's tie: token embedding (first layer) and head projection (last), both
+    (vocab, d_model); across stages with pp > 1, one Parameter with pp 1."""
+    return [("0.tok.weight", f"{opts['layers'] + 1}.proj.weight")]
+
+
 def load_text(path=None):
     """Real text on this machine: `path`, or this repo's own sources and README."""
     paths = [Path(path)] if path else sorted(HERE.glob("*.py")) + sorted(HERE.glob("*.md"))
@@ -436,18 +444,21 @@ def make_strategy(opts, release):
 def _train_once(opts, strategy, hcg, ids, vocab, device):
     gc.collect()
     start_bytes = allocator_in_use_bytes(device)  # idle bytes are counted from here
-    model = PipelineParallel(lm_layers(vocab, opts, device), hcg, strategy, lm_loss)
+    model = PipelineParallel(lm_layers(vocab, opts, device), hcg, strategy, lm_loss,
+                             shared_weights=lm_shared_weights(opts))
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts["lr"], weight_decay=0.01)
+    grad_clip = ClipGradByGlobalNorm(1.0)
     if strategy.sharding_degree > 1:
         cls = DygraphShardingOptimizerV2 if opts["split_param"] else DygraphShardingOptimizer
-        optimizer = cls(optimizer, hcg, strategy)
+        optimizer = cls(optimizer, hcg, strategy, grad_clip=grad_clip)
     elif opts["main_grad"]:
         optimizer = MixPrecisionOptimizer(optimizer)
     replicas = strategy.dp_degree * strategy.sharding_degree
     replica = hcg.get_data_parallel_rank() * strategy.sharding_degree \
         + hcg.get_sharding_parallel_rank()
     local = opts["micro_batch_size"] * opts["micro_batches"]
-    m = {"losses": [], "idle_alloc": [], "idle_counted": [], "peak": [], "step_time": []}
+    m = {"losses": [], "idle_alloc": [], "idle_counted": [], "peak": [], "step_time": [],
+         "grad_norms": []}
     for step in range(opts["steps"]):
         gen = torch.Generator().manual_seed(opts["seed"] * 1000 + step)  # same data every run
         starts = torch.randint(0, len(ids) - opts["block"] - 1, (replicas * local,),
@@ -456,7 +467,8 @@ def _train_once(opts, strategy, hcg, ids, vocab, device):
         y = torch.stack([ids[s + 1 : s + 1 + opts["block"]] for s in starts.tolist()]).to(device)
         with _PeakSampler(device) as peak:
             start = time.perf_counter()
-            loss = model.train_batch((x, y), optimizer)
+            loss = model.train_batch((x, y), optimizer, grad_clip=None
+                                     if strategy.sharding_degree > 1 else grad_clip)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             m["step_time"].append(time.perf_counter() - start)
@@ -464,6 +476,7 @@ def _train_once(opts, strategy, hcg, ids, vocab, device):
         buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]
         buffers += getattr(optimizer, "_comm_buffer_list", [])
         m["losses"].append(float(loss))
+        m["grad_norms"].append(float(grad_clip.global_norm))  # before clipping, any rank
         in_use = allocator_in_use_bytes(device)
         m["idle_alloc"].append(None if in_use is None else in_use - start_bytes)
         m["idle_counted"].append(live_grad_bytes(model, optimizer, buffers))
@@ -483,6 +496,7 @@ def summarize(results, opts):
         after1 = slice(1, None) if opts["steps"] > 1 else slice(None)
         modes[mode] = {
             "losses": [statistics.fmean(m["losses"][s] for m in ms) for s in steps],
+            "grad_norms": ms[0]["grad_norms"],  # global norm before clipping, equal on all
             "idle_grad_bytes_counted": [max(m["idle_counted"][after1]) for m in ms],
             "idle_grad_bytes_allocator": [_median_or_none(m["idle_alloc"][after1]) for m in ms],
             "peak_bytes": [_max_or_none(m["peak"]) for m in ms],
@@ -490,6 +504,7 @@ def summarize(results, opts):
                                              for s in list(steps)[after1]),
         }
     equal = all(r["modes"]["off"]["losses"] == r["modes"]["on"]["losses"]
+                and r["modes"]["off"]["grad_norms"] == r["modes"]["on"]["grad_norms"]
                 and all(torch.equal(a, b) for a, b in zip(r["params"]["off"], r["params"]["on"]))
                 for r in ranks)
     config = {k: v for k, v in opts.items() if k != "device"}

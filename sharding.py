@@ -12,10 +12,11 @@ each rank a contiguous shard of it: grads are reduce-scattered in place, each ra
 slice params over its shard, and the param buffer is all-gathered back. With release the grad
 buffers (v2's own, or the pipeline's) live from the first grad of a step to `clear_grad`.
 Phases of `step()`: agree (one small all-reduce of flags: which params have a grad on some
-rank, misuse seen anywhere) -> reduce -> dp all-reduce (dp > 1) -> step owned params / slices
--> broadcast / all-gather. Both keep torch's optimizer contract (`optim_wrappers.torch_face`).
+rank, misuse seen anywhere) -> reduce -> dp all-reduce (dp > 1) -> clip (`grad_clip`) -> step
+owned params / slices -> broadcast / all-gather. Both keep torch's optimizer contract
+(`optim_wrappers.torch_face`).
 
-Leaves out: grad clipping, v1's own tensor fusion (`comm_overlap`), offload, color sharding,
+Leaves out: v1's own tensor fusion (`comm_overlap`), offload, color sharding,
 torch.amp.GradScaler (refused with a clear error).
 
 References: Paddle PRs #59739, #58462, #58621, #64517 (sharding-side release flag);
@@ -27,9 +28,11 @@ import torch.distributed as dist
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _share_param_buffer,
                          all_reduce_mean, assign_group_by_size, global_rank,
                          main_grad_or_grad as _grad)
+from grad_clip import ClipGradByGlobalNorm, norm_groups
 from optim_wrappers.grad_agreement import agree, fill_missing_grads
 from optim_wrappers.master_weights import MixPrecisionOptimizer
 from optim_wrappers.torch_face import _Wrapper, clear_grad_func as _clear
+from checkpoint import sharding_state
 
 
 _ERASE_MSG = ("should not erase grad buffer: with release_gradients off the grads are views of "
@@ -51,6 +54,14 @@ _NO_GRAD_MSG = ("no param has a grad on any rank at step(): did zero_grad() run 
                 "and step()? Clear grads after step(). Or were the model's params replaced "
                 "after the optimizer was built (model.load_state_dict(..., assign=True), "
                 "model.to_empty())? Build the optimizer after that, or load without assign.")
+
+
+def _check_grad_clip(grad_clip):
+    if grad_clip is not None and not isinstance(grad_clip, ClipGradByGlobalNorm):
+        raise TypeError(f"grad_clip must be None or grad_clip.ClipGradByGlobalNorm, got "
+                        f"{type(grad_clip).__name__}; torch's clip_grad_norm_ on a rank's own "
+                        "grads would see only its shard, unreduced")
+    return grad_clip
 
 
 class _Sharding(_Wrapper):
@@ -112,6 +123,60 @@ class _Sharding(_Wrapper):
         fill_missing_grads(params, anywhere)
         return anywhere
 
+    # ---- checkpoints that load into any sharding degree (checkpoint/sharding_state.py)
+
+    def _local_state_dict(self):
+        """This rank's shard of the state (fast; loads only into the same layout).
+
+        The inner state plus `"sharding_layout"`: version, sharding degree and rank, param
+        shapes and owners (v1) / slices (v2), so that `load_state_dict` can refuse another
+        layout. `state_dict()` returns it through torch's hooks. For a checkpoint that loads
+        into any sharding degree (or a plain torch optimizer), use `consolidate_state_dict`.
+        """
+        return {**super()._local_state_dict(),
+                sharding_state.LAYOUT_KEY: sharding_state.layout(self)}
+
+    def consolidate_state_dict(self, to=0):
+        """Gather the whole optimizer state, in torch's one-process format, on sharding rank `to`.
+
+        Collective over the sharding group: call it on every rank. Returns on rank `to` a dict
+        like `torch.optim.Optimizer.state_dict()` of one optimizer over all params: `"state"`
+        keyed by the param's index in the optimizer's param list, per-element tensors of the
+        param's full shape (v2's slices joined, padding dropped), `step` as saved;
+        `"param_groups"` (hyper-parameters, `"params"` index lists); and `"master_weights"`
+        {index: fp32 tensor of the param's shape} when there are fp32 masters. All tensors on
+        CPU. Returns None on the other ranks. With dp > 1 every dp replica's rank `to` gets
+        the same dict; under a pipeline each stage's optimizer gathers its own stage's params
+        (save one file per stage). Differs from torch's ZeroRedundancyOptimizer,
+        which stores the result for `state_dict()` on rank `to`: here `state_dict()` stays
+        this rank's shard (Paddle's meaning). Needs memory for the whole state on rank `to`.
+        Raises ValueError (on every rank) for a `to` outside [0, sharding degree). Mirrors
+        torch's `ZeroRedundancyOptimizer.consolidate_state_dict` (Paddle merges shards in its
+        trainer instead: PaddleNLP `sharding_io.py`).
+        """
+        return sharding_state.consolidate(self, to)
+
+    def load_state_dict(self, state_dict):
+        """Load this rank's `state_dict()`, or a consolidated / plain torch one re-sharded.
+
+        A consolidated dict (from `consolidate_state_dict` on any sharding degree, or a plain
+        torch optimizer over the same params and groups) is passed on every rank; each keeps
+        its own params (v1) or cuts its slices (v2), copies the hyper-parameters and, if
+        present, the fp32 masters (else the masters start from the model's params: load the
+        model first). v1 and v2 dicts are interchangeable. v2 under the pipeline's comm
+        overlap, loaded before the first train_batch, keeps the dict and cuts it once the
+        pipeline has built its buffers. Collective over the sharding (and dp) group: call it
+        on every rank. Allocates no grad and no grad buffer. Raises ValueError on every rank
+        if any rank got a per-rank state of another layout (another sharding degree, rank or
+        version), None, or a state of another model; nothing is loaded then.
+        """
+        if not isinstance(state_dict, dict):  # e.g. None off rank `to`: torch's hooks would
+            sharding_state.load(self, state_dict, None)  # fail here alone; this raises everywhere
+        super().load_state_dict(state_dict)  # torch's hooks, then _load_local_state_dict
+
+    def _load_local_state_dict(self, state_dict):
+        """What `load_state_dict` does after torch's pre-hooks (see there)."""
+        sharding_state.load(self, state_dict, super()._load_local_state_dict)
 
 class DygraphShardingOptimizer(_Sharding):
     """Sharding v1: whole params, greedy owners, reduce -> step owned -> broadcast.
@@ -125,16 +190,20 @@ class DygraphShardingOptimizer(_Sharding):
             `strategy.hybrid_configs["pp_configs"]`'s `sharding_comm_overlap`,
             `dp_comm_overlap`, `release_gradients`, and `...["sharding_configs"]`'s
             `comm_overlap`, `release_gradients` (v2 also `accumulate_steps`).
+        grad_clip: None or a `grad_clip.ClipGradByGlobalNorm`, run in `step()` on the owned,
+            reduced grads (Paddle passes it as the inner optimizer's `grad_clip`); then `hcg`
+            also needs `get_pipe_parallel_{group,world_size}()`.
     `_param2rank` maps each param (by identity; Paddle: by name) to its owner's sharding rank.
     Call `step()` after backward, then `clear_grad()` / `zero_grad()` before the next step.
     Raises ValueError for a param with no elements or an unsupported config, at `step()` (on
     every rank) for no grad on any rank, a closure or a GradScaler, and from
     `add_param_group` as it says; RuntimeError for a second `step()` without clearing the
-    grads in between.
+    grads in between; TypeError for a grad_clip of another type.
     """
 
-    def __init__(self, optimizer, hcg, strategy):
+    def __init__(self, optimizer, hcg, strategy, grad_clip=None):
         self._setup(optimizer, hcg, strategy)
+        self._grad_clip = _check_grad_clip(grad_clip)
         self._param2rank = self._partition_parameters()
         owned = [[p for p in g["params"] if self._param2rank[p] == self._rank]
                  for g in optimizer.param_groups]
@@ -223,6 +292,7 @@ class DygraphShardingOptimizer(_Sharding):
             all_reduce_mean([_grad(p) for p in owned if _grad(p) is not None],
                             self._hcg.get_data_parallel_group())
         # The owned grads are reduced and final here (where a grad clip reads them).
+        self._clip_grads()
         self._inner_opt.step()
         # _sharding_sync_parameters: every param from its owner
         works = [dist.broadcast(p.detach(), src=global_rank(self._group, self._param2rank[p]),
@@ -255,6 +325,14 @@ class DygraphShardingOptimizer(_Sharding):
         return [(g := _grad(p)) is not None and self._zeroed.get(id(p)) != (id(g), g._version)
                 for p in self._parameter_list]
 
+    def _clip_grads(self):
+        """grad_clip on the grads this rank owns, reduced (Paddle: the inner optimizer's
+        params_grads); a rank that owns nothing still joins the norm's all-reduces."""
+        if self._grad_clip is None:
+            return
+        pairs = [(p, _grad(p)) for p in self._parameter_list if self._param2rank[p] == self._rank]
+        self._grad_clip(pairs, norm_groups(self._hcg), self._parameter_list[0].device)
+
 
 class DygraphShardingOptimizerV2(_Sharding):
     """Sharding v2 (split_param): flat shards, reduce-scatter -> step slices -> all-gather.
@@ -269,11 +347,13 @@ class DygraphShardingOptimizerV2(_Sharding):
     Raises ValueError for `clear_grad(set_to_zero=False)` with release off, and at `step()`
     (on every rank) for no grad on any rank or state changed behind its back since it was
     built (`_misuse_rules`); RuntimeError if `step()` finds no buffers or runs twice without
-    clearing the grads in between.
+    clearing the grads in between; TypeError for a grad_clip of another type. `grad_clip`
+    clips the slice grads without their padding.
     """
 
-    def __init__(self, optimizer, hcg, strategy):
+    def __init__(self, optimizer, hcg, strategy, grad_clip=None):
         self._setup(optimizer, hcg, strategy)
+        self._grad_clip = _check_grad_clip(grad_clip)
         self._slice_params = {p: torch.nn.Parameter(p.new_empty(0), p.requires_grad)
                               for p in self._parameter_list}
         slices = [[self._slice_params[p] for p in g["params"]] for g in optimizer.param_groups]
@@ -343,6 +423,7 @@ class DygraphShardingOptimizerV2(_Sharding):
             raise RuntimeError("sharding v2 found no REDUCE_SCATTER buffers: with "
                                "pp_configs.sharding_comm_overlap the pipeline builds them in "
                                "its first train_batch; step() must run inside train_batch")
+        sharding_state.apply_pending(self)  # a consolidated state loaded before the buffers
 
     @torch.no_grad()
     def reduce_gradients(self, parameter_list, hcg):
@@ -414,6 +495,7 @@ class DygraphShardingOptimizerV2(_Sharding):
             all_reduce_mean([g for g in grads if g is not None],
                             self._hcg.get_data_parallel_group())
         # The slice grads are reduced and final here (where a grad clip reads them).
+        self._clip_grads()
         self._inner_opt.step()
         for comm_buffer in self._comm_buffer_list:  # _sharding_sync_parameters
             comm_buffer.sync_params()
@@ -460,3 +542,17 @@ class DygraphShardingOptimizerV2(_Sharding):
         return [(_MOVED_MSG, ", ".join(moved) or None),
                 (_UNFROZEN_MSG, ", ".join(unfrozen) or None),
                 (_MAIN_GRAD_MSG, ", ".join(main_grad) or None)]
+
+    def _clip_grads(self):
+        """grad_clip on this rank's slice grads, padding left out (it is zero, and not the
+        model's): a slice may end in its param's padding (see ShardingGradView)."""
+        if self._grad_clip is None:
+            return
+        pairs = []
+        for comm_buffer in self._comm_buffer_list:
+            for param, view in comm_buffer._sharding_param_grad_view.items():
+                grad = _grad(self._slice_params[param])
+                if grad is not None:
+                    valid = min(view._param_end, view._index + param.numel()) - view._param_begin
+                    pairs.append((param, grad[:valid]))  # param: need_clip, is_firstly_shared
+        self._grad_clip(pairs, norm_groups(self._hcg), self._parameter_list[0].device)

@@ -10,6 +10,7 @@ asserts against something independent: a per-parameter collective done by hand, 
 training the same model on the whole batch (the oracle), and release off vs on (bitwise).
 """
 import json
+import math
 import os
 import queue
 import subprocess
@@ -26,7 +27,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import comm_buffer
-from checks import contract, fused_buffer, interleave, pipe, zero
+from checks import checkpoints, clipping, contract, fused_buffer, interleave, pipe, zero
+from grad_clip import ClipGradByGlobalNorm
 from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch, live_grad_bytes)
 
 # Seconds a scenario may run on its ranks; a hang fails the test instead of blocking the suite.
@@ -267,6 +269,23 @@ def test_sharding_main_grad(ranks):
     ranks(2).run(zero.main_grad)
 
 
+def test_sharding_checkpoint_across_world_sizes(ranks, tmp_path):
+    """Check that consolidated v1/v2 states resume across 1, 2, 3 ranks; wrong layouts raise."""
+    ranks(2).run(checkpoints.save_on_two, str(tmp_path))
+    ranks(3).run(checkpoints.load_on_three, str(tmp_path))
+    ranks(2).run(checkpoints.load_from_three, str(tmp_path))
+
+
+def test_sharding_checkpoint_beside_dp(ranks):
+    """Check that dp 2 x sharding 2 consolidates, resumes, and raises on all dp replicas."""
+    ranks(4).run(checkpoints.beside_dp)
+
+
+def test_sharding_checkpoint_under_pipeline(ranks):
+    """Check that pp 2 x sharding 2 with comm overlap resumes a consolidated state bitwise."""
+    ranks(4).run(checkpoints.pipeline_resume)
+
+
 # ---- the torch optimizer contract
 
 def test_contract_param_groups_live_after_load(ranks):
@@ -418,6 +437,59 @@ def test_interleave_sharding_and_dp(ranks):
     ranks(4).run(interleave.with_sharding_and_dp)
 
 
+# ---------------------------------------------------------------- grad_clip/, shared_weights/
+
+def test_clip_coefficient_and_fp32_sum():
+    """Check Paddle's coefficient (below the norm: clip/(clip+1e-6), not 1; above: torch's),
+    fp32 sums of bf16 squares, need_clip / None grads skipped, and bad clip_norm raising."""
+    g = torch.full((3,), 0.1)
+    ClipGradByGlobalNorm(1.0)([(nn.Parameter(torch.zeros(3)), g)])
+    want = torch.full((3,), 0.1 / (1.0 + 1e-6), dtype=torch.float64).float()
+    assert not torch.equal(g, torch.full((3,), 0.1))  # scaled by Paddle's, not clamped to 1
+    torch.testing.assert_close(g, want, rtol=2e-7, atol=0)
+    params = [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(2))]
+    grads = [torch.tensor([3.0, 0.0, 4.0, 12.0]), torch.tensor([-84.0, 0.0])]
+    for p, grad in zip(params, grads):
+        p.grad = grad.clone()
+    want = torch.nn.utils.clip_grad_norm_(params, 2.0)
+    clip = ClipGradByGlobalNorm(2.0)
+    clip([(p, grad) for p, grad in zip(params, grads)] + [(nn.Parameter(torch.zeros(1)), None)])
+    assert clip.global_norm.item() == 85.0  # sqrt(3^2 + 4^2 + 12^2 + 84^2)
+    torch.testing.assert_close(clip.global_norm, want, rtol=0, atol=0)
+    for p, grad in zip(params, grads):
+        torch.testing.assert_close(grad, p.grad, rtol=1e-7, atol=0)
+    # 4097 squares of 1 in bf16: a bf16 sum would round to 4096; fp32 keeps 4097
+    bf16 = torch.ones(4097, dtype=torch.bfloat16)
+    frozen = nn.Parameter(torch.zeros(1))
+    frozen.need_clip = False
+    frozen_grad = torch.full((1,), 100.0)
+    clip([(nn.Parameter(bf16.clone()), bf16), (frozen, frozen_grad)])
+    assert clip.global_norm.dtype == torch.float32
+    assert clip.global_norm.item() == pytest.approx(math.sqrt(4097), rel=1e-7)
+    assert frozen_grad.item() == 100.0 and bf16.dtype == torch.bfloat16
+    for bad, error in ((0.0, ValueError), (float("inf"), ValueError), ("1", TypeError)):
+        with pytest.raises(error, match="clip_norm must be"):
+            ClipGradByGlobalNorm(bad)
+
+
+def test_clip_global_norm(ranks):
+    """Check pp 2 x sharding 2 (v1, v2, overlap on/off) and pp 2 x dp 2: the norm is the hand
+    value on all ranks and the update equals torch's clip_grad_norm_ on one process."""
+    ranks(4).run(clipping.clip_global_norm)
+
+
+def test_tied_weights_across_stages(ranks):
+    """Check a weight tied across stages, owned by different sharding ranks per stage (v1, v2,
+    overlap on/off; and pp x dp) is bitwise equal on all ranks and equals one process."""
+    ranks(4).run(clipping.tied_weights)
+
+
+def test_accumulate_over_schedule_calls(ranks):
+    """Check two schedule calls per step give a = 0.6, 0.36, 0.216 without overlap, and with
+    sharding comm overlap raise on every rank without hanging."""
+    ranks(4).run(clipping.accumulate_calls)
+
+
 # ---------------------------------------------------------------- relgrad.py
 
 def test_config_errors():
@@ -457,6 +529,8 @@ def test_main_job_json():
     off, on = result["modes"]["off"], result["modes"]["on"]
     assert result["bitwise_equal"] is True and off["losses"] == on["losses"]
     assert len(off["losses"]) == 6 and off["losses"][-1] < off["losses"][0]
+    assert off["grad_norms"] == on["grad_norms"] and len(on["grad_norms"]) == 6
+    assert all(n > 0 for n in on["grad_norms"]) and max(on["grad_norms"]) > 1.0  # clipped
     assert all(n == 0 for n in on["idle_grad_bytes_counted"])
     assert all(n > 100_000 for n in off["idle_grad_bytes_counted"])
     for counted, a_off, a_on in zip(off["idle_grad_bytes_counted"],

@@ -51,8 +51,19 @@ class PipelineParallelWithInterleave(PipelineParallel):
     (fewer layers than P*V chunks leaves some chunks empty, i.e. the identity).
     `self._layers` is an `nn.ModuleList` of this rank's V chunks (`nn.Sequential` each).
     Raises ValueError, on every rank before any communication, unless V is an int > 1,
-    pp_degree >= 2 and accumulate_steps is a multiple of pp_degree; and as PipelineParallel.
+    pp_degree >= 2 and accumulate_steps is a multiple of pp_degree, or for `shared_weights`
+    (not supported with virtual stages yet); and as PipelineParallel.
     """
+
+    def __init__(self, layers, hcg, strategy, loss_fn, seg_boundaries=None,
+                 shared_weights=None):
+        if shared_weights:
+            # shared_weights.SharedWeights finds a tie's holder from contiguous stage bounds;
+            # with chunks s, s+P, ... a rank's layers are not contiguous.
+            raise ValueError("shared_weights is not supported with virtual pipeline stages "
+                             f"yet; got {shared_weights!r}: untie the weights, or set "
+                             "num_virtual_pipeline_stages=1 and use PipelineParallel")
+        super().__init__(layers, hcg, strategy, loss_fn, seg_boundaries)
 
     def _check_virtual_stages(self, num_virtual_stages):
         # Called by PipelineParallel.__init__ before its first collective.
@@ -80,7 +91,7 @@ class PipelineParallelWithInterleave(PipelineParallel):
         bounds = _cut_layers(layers, seg_boundaries, parts)
         chunks = [self.stage_id + v * self.num_stages for v in range(self.num_model_chunks)]
         return nn.ModuleList([_build_segment(layers[bounds[c] : bounds[c + 1]])
-                              for c in chunks])
+                              for c in chunks]), bounds
 
     def forward(self, x, chunk_id):
         """Virtual stage `chunk_id` (0..V-1) of this rank on `x` (no communication)."""
@@ -145,6 +156,8 @@ class PipelineParallelWithInterleave(PipelineParallel):
         no backward; with `compute_loss` False too, the last stage's outputs concatenated,
         None elsewhere). Raises ValueError as `train_batch` does.
         """
+        if not forward_only:
+            self._check_accumulation()  # a second call before the step: as PipelineParallel
         inputs, labels = self._micro_batches(data)
         stages, chunks, acc = self.num_stages, self.num_model_chunks, self.accumulate_steps
         first, last = self.stage_id == 0, self.stage_id == stages - 1
@@ -205,6 +218,7 @@ class PipelineParallelWithInterleave(PipelineParallel):
 
         # wait and scale: every chunk's collectives were issued by _overlap_comm_grads
         if not forward_only:
+            self._grads_pending = True
             self._sync_overlap_grads()
         if forward_only and not compute_loss:
             outputs, self._outputs = self._outputs, []

@@ -1,0 +1,294 @@
+"""Rank-side checks of world-size independent checkpoints: consolidate, save, re-shard, resume.
+
+The run: Adam on `_mlp([20, 24, 4])` (weights of 480 and 96 elements: v2 cuts the first across
+ranks on 2 and on 3 ranks), batch 12 split evenly over the data replicas, 2 steps, save, 2 more.
+References: one process training 4 steps on the whole batch (allclose), the same layout trained
+4 steps without a break (bitwise), and a plain torch Adam loading the consolidated dict.
+"""
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from comm_buffer import global_rank, register_main_grad_hooks
+from pipeline import PipelineParallel
+from relgrad import HybridCommunicateGroup
+from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
+from checks.common import OPTIMIZERS, PIPE_SIZES, _data, _mlp, _mse, _pipe_layers, _strategy
+
+SIZES, BATCH = [20, 24, 4], 12
+VERSIONS = {1: DygraphShardingOptimizer, 2: DygraphShardingOptimizerV2}
+
+
+def _model(bf16=False):
+    model = _mlp(SIZES, seed=5)
+    if bf16:
+        model.to(torch.bfloat16)
+        register_main_grad_hooks(model.parameters())
+    return model
+
+
+def _train(model, opt, steps, replicas=1, replica=0):
+    """Steps `steps` (their indices pick the data) on this replica's part of the batch."""
+    dtype = next(model.parameters()).dtype
+    for step in steps:
+        x, y = (t.chunk(replicas)[replica].to(dtype) for t in _data(step, BATCH, 20, 4))
+        F.mse_loss(model(x).float(), y.float()).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _topology(sharding, dp=1):
+    """The hcg and strategy (Adam's run, release on) of sharding x dp on this pool."""
+    strategy = _strategy(sharding=sharding, dp=dp, release=True)
+    return HybridCommunicateGroup(strategy), strategy
+
+
+def _sharded(version, topology, bf16=False):
+    """A model and its v1 / v2 optimizer on this rank; (replicas, this replica's index)."""
+    hcg, strategy = topology
+    model = _model(bf16)
+    opt = VERSIONS[version](OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
+    sharding = strategy.sharding_degree
+    replica = hcg.get_data_parallel_rank() * sharding + hcg.get_sharding_parallel_rank()
+    return model, opt, (strategy.dp_degree * sharding, replica)
+
+
+def _one_process(steps, bf16=False):
+    """The oracle: one process, the whole batch, plain Adam (MixPrecision for bf16)."""
+    model = _model(bf16)
+    opt = OPTIMIZERS["adam"](model.parameters())
+    if bf16:
+        opt = MixPrecisionOptimizer(opt)
+    return model, opt, _train(model, opt, range(steps))
+
+
+def _close(got, want):
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def _equal(got, want):
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def _same_dict(a, b):
+    """Bitwise equal nested dicts / lists of tensors and plain values."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and a.keys() == b.keys()
+                and all(_same_dict(a[k], b[k]) for k in a))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_dict(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _resume(version, topology, saved):
+    """Fresh model and optimizer, load `saved` (model params + optimizer dict), check that
+    loading allocated no grad and restored lr and Adam's step count, train steps 2 and 3."""
+    model, opt, (replicas, replica) = _sharded(version, topology)
+    model.load_state_dict(saved["model"])
+    opt.param_groups[0]["lr"] = 0.5  # the saved hyper-parameters win, as in torch
+    opt.load_state_dict(saved["optim"])
+    assert opt.param_groups[0]["lr"] == 1e-3
+    _assert_no_grads(model, opt)
+    assert opt.state and all(float(s["step"]) == 2 for s in opt.state.values())
+    return _train(model, opt, range(2, 4), replicas, replica)
+
+
+def _assert_no_grads(model, opt):
+    slices = list(getattr(opt, "_slice_params", {}).values())
+    for p in list(model.parameters()) + slices:
+        assert p.grad is None and getattr(p, "main_grad", None) is None
+    assert all(b.grad_storage is None for b in getattr(opt, "_comm_buffer_list", []))
+
+
+def _save_on_rank0(obj, path):
+    if dist.get_rank() == 0:
+        torch.save(obj, path)
+    dist.barrier()
+
+
+def _check_consolidated(full, oracle_opt, bf16):
+    """The consolidated dict is torch's one-process format, close to the oracle's state."""
+    want = oracle_opt.state_dict()
+    want = want["inner"] if bf16 else want  # MixPrecision: the inner torch optimizer's
+    assert sorted(full["state"]) == sorted(want["state"]) == [0, 1, 2, 3]
+    assert [g["params"] for g in full["param_groups"]] == [[0, 1, 2, 3]]
+    assert full["param_groups"][0]["lr"] == want["param_groups"][0]["lr"]
+    for i, entries in want["state"].items():
+        assert entries.keys() == full["state"][i].keys()
+        for name, v in entries.items():
+            assert full["state"][i][name].shape == v.shape
+            # bf16: the forward's rounding differs with the batch split; only the scale holds
+            atol = 0.1 * float(v.abs().max()) if bf16 else 1e-6
+            torch.testing.assert_close(full["state"][i][name], v, rtol=1e-4, atol=atol)
+    if bf16:
+        masters = oracle_opt.state_dict()["masters"]
+        assert sorted(full["master_weights"]) == [0, 1, 2, 3]
+        for i, m in enumerate(masters):
+            assert full["master_weights"][i].dtype == torch.float32
+            torch.testing.assert_close(full["master_weights"][i], m, rtol=0, atol=2e-3)
+    else:
+        assert "master_weights" not in full
+
+
+def save_on_two(rank, world, folder):
+    """2 ranks: 2 steps, consolidate and save; resume on the same layout (bitwise), on
+    sharding degree 1 (dp 2) and in a plain torch Adam (allclose to one process); a per-rank
+    state of another rank fails on every rank; 1 -> 2: a plain torch state resumes on 2."""
+    oracle = _one_process(4)[2]
+    two, one_beside_dp = _topology(2), _topology(1, dp=2)
+    for version in (1, 2):
+        for bf16 in (False, True):
+            model, opt, (replicas, replica) = _sharded(version, two, bf16=bf16)
+            _train(model, opt, range(2), replicas, replica)
+            saved = {"model": copy.deepcopy(model.state_dict()),
+                     "optim": opt.consolidate_state_dict(to=0)}
+            own = copy.deepcopy(opt.state_dict())
+            if not bf16:  # for load_on_three
+                torch.save(own, os.path.join(folder, f"own_v{version}_{rank}.pt"))
+            if rank == 0:
+                _check_consolidated(saved["optim"], _one_process(2, bf16)[1], bf16)
+            else:
+                assert saved["optim"] is None
+            path = os.path.join(folder, f"two_v{version}{'_bf16' * bf16}.pt")
+            _save_on_rank0(saved, path)
+            want = _train(model, opt, range(2, 4), replicas, replica)  # no break
+            saved = torch.load(path)
+            # the same layout: consolidated and per-rank states resume bitwise
+            model2, opt2, _ = _sharded(version, two, bf16=bf16)
+            model2.load_state_dict(saved["model"])
+            opt2.load_state_dict(saved["optim"])
+            _assert_no_grads(model2, opt2)
+            _equal(_train(model2, opt2, range(2, 4), replicas, replica), want)
+            model2, opt2, _ = _sharded(version, two, bf16=bf16)
+            model2.load_state_dict(saved["model"])
+            opt2.load_state_dict(own)
+            _equal(_train(model2, opt2, range(2, 4), replicas, replica), want)
+            if bf16:
+                continue
+            # another rank's per-rank state on rank 0 only: every rank raises, naming the fix
+            others = [None] * world
+            dist.all_gather_object(others, own)
+            _, opt3, _ = _sharded(version, two)
+            with pytest.raises(ValueError, match=r"(?s)per-rank state_dict\(\) loads only.*"
+                               r"sharding_rank: saved 1, here 0.*consolidate_state_dict"):
+                opt3.load_state_dict(others[1 - rank] if rank == 0 else own)
+            with pytest.raises(ValueError, match="got None: consolidate_state_dict"):
+                opt3.load_state_dict(saved["optim"] if rank == 0 else None)
+            # 2 -> sharding degree 1 (beside dp 2), and 2 -> a plain torch Adam, one process
+            _close(_resume(version, one_beside_dp, saved), oracle)
+            model4 = _model()
+            model4.load_state_dict(saved["model"])
+            adam = OPTIMIZERS["adam"](model4.parameters())
+            adam.load_state_dict(saved["optim"])
+            _close(_train(model4, adam, range(2, 4)), oracle)
+            # 1 -> 2: a plain torch Adam's state_dict resumes on 2 ranks
+            model5, adam5, _ = _one_process(2)
+            state = {"model": model5.state_dict(), "optim": adam5.state_dict()}
+            _close(_resume(version, two, state), oracle)
+    return "ok"
+
+
+def load_on_three(rank, world, folder):
+    """3 ranks: the 2-rank checkpoints resume (allclose to one process) and re-consolidate
+    bitwise, masters included; a 2-rank per-rank state fails on every rank; then 2 steps on 3
+    ranks are consolidated and saved for `load_from_three`."""
+    oracle, three = _one_process(4)[2], _topology(3)
+    for version in (1, 2):
+        saved = torch.load(os.path.join(folder, f"two_v{version}.pt"))
+        _close(_resume(version, three, saved), oracle)
+        for bf16 in (False, True):
+            path = os.path.join(folder, f"two_v{version}{'_bf16' * bf16}.pt")
+            saved = torch.load(path)
+            _, opt, _ = _sharded(version, three, bf16=bf16)
+            opt.load_state_dict(saved["optim"])
+            again = opt.consolidate_state_dict(to=2)
+            assert (again is None) == (rank != 2)
+            assert again is None or _same_dict(again, saved["optim"])
+        model, opt, (replicas, replica) = _sharded(version, three)
+        with pytest.raises(ValueError, match=r"(?s)loads only into the layout.*"
+                           r"sharding_degree: saved 2, here 3.*consolidate_state_dict"):
+            opt.load_state_dict(torch.load(os.path.join(folder, f"own_v{version}_{rank % 2}.pt")))
+        _train(model, opt, range(2), replicas, replica)
+        saved = {"model": copy.deepcopy(model.state_dict()),
+                 "optim": opt.consolidate_state_dict(to=0)}
+        _save_on_rank0(saved, os.path.join(folder, f"three_v{version}.pt"))
+    return "ok"
+
+
+def load_from_three(rank, world, folder):
+    """2 ranks: the 3-rank checkpoints resume (allclose to one process)."""
+    oracle, two = _one_process(4)[2], _topology(2)
+    for version in (1, 2):
+        saved = torch.load(os.path.join(folder, f"three_v{version}.pt"))
+        _close(_resume(version, two, saved), oracle)
+    return "ok"
+
+
+def pipeline_resume(rank, world):
+    """pp 2 x sharding 2, sharding comm overlap: each stage consolidates after 2 batches; a
+    fresh pipeline loads it before its first train_batch (v2 cuts it once the pipeline has
+    built its buffers) and its 2 more batches equal the uninterrupted run bitwise."""
+    for version in (1, 2):
+        strategy = _strategy(pp=2, sharding=2, acc=2, release=True, split_param=version == 2,
+                             sharding_comm_overlap=True)
+        hcg = HybridCommunicateGroup(strategy)
+        group = hcg.get_sharding_parallel_group()
+
+        def build():
+            model = PipelineParallel(_pipe_layers(), hcg, strategy, _mse)
+            opt = VERSIONS[version](OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
+            return model, opt
+
+        def train(model, opt, steps):
+            for step in steps:
+                x, y = (t.chunk(2)[hcg.get_sharding_parallel_rank()]
+                        for t in _data(step, 8, PIPE_SIZES[0], PIPE_SIZES[-1]))
+                model.train_batch((x, y), opt)
+            return [p.detach().clone() for p in model.parameters()]
+
+        model, opt = build()
+        train(model, opt, range(2))
+        saved = [copy.deepcopy(model.state_dict()), opt.consolidate_state_dict(to=0)]
+        dist.broadcast_object_list(saved, src=global_rank(group, 0), group=group)  # "the file"
+        want = train(model, opt, range(2, 4))
+        model, opt = build()
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        assert all(float(s["step"]) == 2 for s in opt.state.values()) and (
+            (len(opt.state) == 0) == (version == 2))  # v2: no slices before the buffers
+        _equal(train(model, opt, range(2, 4)), want)
+    return "ok"
+
+
+def beside_dp(rank, world):
+    """dp 2 x sharding 2: rank `to` of each dp replica gets the consolidated state; it resumes
+    on the same layout bitwise and on sharding 4 allclose to one process; a per-rank state of
+    another rank on one dp replica only raises on all 4 ranks."""
+    dp_two, four = _topology(2, dp=2), _topology(4)
+    oracle = _one_process(4)[2]
+    for version in (1, 2):
+        model, opt, (replicas, replica) = _sharded(version, dp_two)
+        _train(model, opt, range(2), replicas, replica)
+        full = opt.consolidate_state_dict(to=1)
+        assert (full is None) == (rank % 2 != 1)
+        saved = [{"model": copy.deepcopy(model.state_dict()), "optim": full}]
+        dist.broadcast_object_list(saved, src=1)  # "the file" of global rank 1
+        want = _train(model, opt, range(2, 4), replicas, replica)
+        _equal(_resume(version, dp_two, saved[0]), want)
+        _close(_resume(version, four, saved[0]), oracle)
+        own = opt.state_dict()
+        others = [None] * world
+        dist.all_gather_object(others, own)
+        _, opt2, _ = _sharded(version, dp_two)
+        with pytest.raises(ValueError, match=r"sharding_rank: saved 1, here 0.*"
+                           r"\[seen on global rank\(s\) \[2\]\]"):
+            opt2.load_state_dict(others[3] if rank == 2 else own)
+    return "ok"

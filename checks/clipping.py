@@ -1,0 +1,266 @@
+"""Rank-side checks of grad_clip/ and shared_weights/: global-norm clipping over pp x sharding
+(and pp x dp), weights tied across stages, and accumulating over several schedule calls."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from grad_clip import ClipGradByGlobalNorm
+from pipeline import PipelineParallel
+from relgrad import HybridCommunicateGroup
+from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
+from checks.common import _data, _mse, _same_on_all, _strategy
+
+_VERSIONS = {1: DygraphShardingOptimizer, 2: DygraphShardingOptimizerV2}
+
+
+class Scale(nn.Module):
+    """`x * w` with one scalar weight: a stage whose grad is computed by hand."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([float(value)]))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def _mean_loss(out, y):
+    return out.mean()
+
+
+def _variants(versions=(1, 2)):
+    return [(v, overlap, release) for v in versions for overlap in (False, True)
+            for release in (False, True)]
+
+
+# ---------------------------------------------------------------- clipping
+
+def _hand_clip(steps, clip, lr, frozen=False, a=3.0, b=4.0):
+    """Norms and (a, b) after each step of `z = b * a * x`, loss mean(z), batch mean 3(s+1),
+    SGD, Paddle's coefficient (`frozen`: a is not trained): in Python floats, independent of
+    torch and the library."""
+    norms, params = [], []
+    for step in range(steps):
+        x_mean = 3.0 * (step + 1)
+        grad_a, grad_b = (0.0 if frozen else b * x_mean), a * x_mean
+        norm = math.sqrt(grad_a ** 2 + grad_b ** 2)
+        coef = clip / (max(norm, clip) + 1e-6)
+        a, b = a - lr * coef * grad_a, b - lr * coef * grad_b
+        norms.append(norm)
+        params.append((a, b))
+    return norms, params
+
+
+def _scalar_batch(step):
+    # whole batch: 4 samples, mean 3 * (step + 1); a replica takes its quarter / half
+    return torch.tensor([[1.0], [2.0], [3.0], [6.0]]) * (step + 1)
+
+
+def _torch_oracle(steps, clip, lr, frozen=False):
+    """One process, the whole model and batch, torch's clip_grad_norm_."""
+    model = nn.Sequential(Scale(3.0), Scale(4.0))
+    model[0].w.requires_grad_(not frozen)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    norms, traj = [], []
+    for step in range(steps):
+        model(_scalar_batch(step)).mean().backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        opt.step()
+        opt.zero_grad()
+        traj.append([p.detach().clone() for p in model.parameters()])
+    return norms, traj
+
+
+def clip_global_norm(rank, world, steps=3, clip=1.0, lr=0.1):
+    """pp 2 x sharding 2 (v1, v2; overlap, release on / off) and pp 2 x dp 2 (plain SGD,
+    `train_batch(grad_clip=)`; dp overlap on / off; once with stage 0's param frozen): the
+    norm is the hand value on all 4 ranks; the clipped update equals torch's clip_grad_norm_
+    on one process; release on == off bitwise. Sharding rank 1 owns nothing on either stage
+    (v1: one param per stage; v2: its shard is padding only)."""
+    hands = {f: _hand_clip(steps, clip, lr, f) for f in (False, True)}
+    oracles = {f: _torch_oracle(steps, clip, lr, f) for f in (False, True)}
+    assert min(hands[True][0]) > clip  # the clip is active: max_norm below the norm
+    configs = [("sharding", v, overlap, release) for v, overlap, release in _variants()]
+    configs += [("dp", None, overlap, release) for _, overlap, release in _variants((1,))]
+    configs += [("frozen", None, True, True)]  # stage 0 has no trainable param
+    runs = {}
+    for kind, version, overlap, release in configs:
+        hand_norms, hand_params = hands[kind == "frozen"]
+        torch_norms, oracle = oracles[kind == "frozen"]
+        if kind == "sharding":
+            strategy = _strategy(pp=2, sharding=2, acc=2, release=release,
+                                 sharding_comm_overlap=overlap, split_param=version == 2)
+        else:
+            strategy = _strategy(dp=2, pp=2, acc=2, release=release, dp_comm_overlap=overlap)
+        hcg = HybridCommunicateGroup(strategy)
+        stage = hcg.get_stage_id()
+        layers = [Scale(3.0), Scale(4.0)]
+        layers[0].w.requires_grad_(kind != "frozen")
+        model = PipelineParallel(layers, hcg, strategy, _mean_loss)
+        grad_clip = ClipGradByGlobalNorm(clip)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        if version:
+            opt = _VERSIONS[version](opt, hcg, strategy, grad_clip=grad_clip)
+            if version == 1:
+                assert set(opt._param2rank.values()) == {0}  # sharding rank 1 owns nothing
+        replica = hcg.get_data_parallel_rank() + hcg.get_sharding_parallel_rank()
+        norms, traj = [], []
+        for step in range(steps):
+            x = _scalar_batch(step).chunk(2)[replica]
+            model.train_batch((x, x), opt, grad_clip=None if version else grad_clip)
+            norm = grad_clip.global_norm
+            assert norm.dtype == torch.float32 and _same_on_all([norm], None)
+            assert math.isclose(float(norm), hand_norms[step], rel_tol=1e-6), \
+                (kind, version, overlap, release, step, float(norm), hand_norms[step])
+            torch.testing.assert_close(norm, torch_norms[step], rtol=1e-6, atol=0)
+            (w,) = [p.detach().clone() for p in model.parameters()]
+            assert math.isclose(float(w), hand_params[step][stage], rel_tol=1e-6)
+            torch.testing.assert_close(w, oracle[step][stage], rtol=1e-6, atol=0)
+            norms.append(norm.clone())
+            traj.append(w)
+        if version == 2:
+            views = [view for b in opt._comm_buffer_list
+                     for view in b._sharding_param_grad_view.values()]
+            assert [v._has_local for v in views] == [hcg.get_sharding_parallel_rank() == 0]
+        if version == 1 and not overlap and not release:  # misuse: raised before any comm
+            with pytest.raises(ValueError, match="clips in its own step"):
+                model.train_batch((x, x), opt, grad_clip=grad_clip)
+            with pytest.raises(TypeError, match="grad_clip must be None or"):
+                _VERSIONS[1](torch.optim.SGD(model.parameters(), lr=lr), hcg, strategy,
+                             grad_clip=torch.nn.utils.clip_grad_norm_)
+        runs[kind, version, overlap, release] = norms + traj
+    for (kind, version, overlap, release), values in runs.items():
+        if release and (kind, version, overlap, False) in runs:
+            off = runs[kind, version, overlap, False]
+            assert all(torch.equal(a, b) for a, b in zip(values, off)), (kind, version)
+    return "ok"
+
+
+# ---------------------------------------------------------------- tied weights
+
+def _tied_layers():
+    """[T, tanh, A | B, tanh, T'] (8 x 8, no bias); T' tied to T. v1 owners (equal sizes, in
+    order of appearance): T -> rank 0, A -> 1 | B -> 0, T' -> 1. v2 (unit 128 elements): T at
+    offset 0 (rank 0's shard), A at 128 | B at 0, T' at 128 (rank 1's shard)."""
+    layers = []
+    for seed in range(6):
+        torch.manual_seed(seed)
+        layers.append(nn.Tanh() if seed in (1, 4) else nn.Linear(8, 8, bias=False))
+    return layers
+
+
+def _tied_oracle(steps, clip, batch):
+    layers = _tied_layers()
+    layers[5] = layers[0]  # one module used twice: one weight, counted once by torch
+    model = nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    norms, traj = [], []
+    for step in range(steps):
+        x, y = _data(step, batch, 8, 8)
+        _mse(model(x), y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        opt.step()
+        opt.zero_grad()
+        traj.append({i: layers[i].weight.detach().clone() for i in (0, 2, 3, 5)})
+    return norms, traj
+
+
+def tied_weights(rank, world, steps=3, clip=0.05):
+    """pp 2 x sharding 2, v1 and v2, overlap on / off, release on / off, with the tied copies
+    owned by different sharding ranks on the two stages, and pp 2 x dp 2 (plain SGD, dp
+    overlap on / off): after each step the tied weight is bitwise equal on all 4 ranks and
+    equals one process training the model that uses one weight twice (clipped with torch's
+    clip_grad_norm_, which counts it once); release on == off bitwise. Then a second schedule
+    call before the step, and misspelled ties, raise on every rank."""
+    batch = 2 * 2 * 2  # replicas x micro-batches x samples
+    oracle_norms, oracle = _tied_oracle(steps, clip, batch)
+    assert all(float(n) > clip for n in oracle_norms)  # the clip is active
+    runs = {}
+    for version, overlap, release in _variants() + _variants((None,)):
+        if version:
+            strategy = _strategy(pp=2, sharding=2, acc=2, release=release,
+                                 sharding_comm_overlap=overlap, split_param=version == 2)
+        else:
+            strategy = _strategy(dp=2, pp=2, acc=2, release=release, dp_comm_overlap=overlap)
+        hcg = HybridCommunicateGroup(strategy)
+        stage = hcg.get_stage_id()
+        replica = hcg.get_sharding_parallel_rank() + hcg.get_data_parallel_rank()
+        model = PipelineParallel(_tied_layers(), hcg, strategy, _mse,
+                                 shared_weights=[("0.weight", "5.weight")])
+        tied = model._layers[0 if stage == 0 else 2].weight
+        assert getattr(tied, "is_firstly_shared", True) == (stage == 0)
+        grad_clip = ClipGradByGlobalNorm(clip)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if version:
+            opt = _VERSIONS[version](opt, hcg, strategy, grad_clip=grad_clip)
+        if version == 1:  # different owners on the two stages
+            assert opt._param2rank[tied] == stage
+        traj = []
+        for step in range(steps):
+            x, y = (t.chunk(2)[replica] for t in _data(step, batch, 8, 8))
+            model.train_batch((x, y), opt, grad_clip=None if version else grad_clip)
+            assert _same_on_all([tied], None), (version, overlap, release, step)
+            torch.testing.assert_close(grad_clip.global_norm, oracle_norms[step],
+                                       rtol=1e-5, atol=0)
+            want = [oracle[step][i] for i in ((0, 2) if stage == 0 else (3, 5))]
+            got = [p.detach().clone() for p in model.parameters()]
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+            traj.append(got)
+        if version == 2:  # the tied copies sit on different shards on the two stages
+            view = next(b._sharding_param_grad_view[tied] for b in opt._comm_buffer_list
+                        if tied in b._sharding_param_grad_view)
+            assert view._index == 128 * stage and view._has_local == (replica == stage)
+        runs[version, overlap, release] = traj
+    for (version, overlap, release), traj in runs.items():
+        if release:
+            off = runs[version, overlap, False]
+            assert all(torch.equal(a, b) for s, t in zip(traj, off) for a, b in zip(s, t))
+    # accumulating over two calls: the tied sum would run twice, so the second call refuses
+    x, y = (t.chunk(2)[replica] for t in _data(0, batch, 8, 8))
+    model.forward_backward_pipeline((x, y))
+    with pytest.raises(ValueError, match="ran again before the optimizer step: with comm"):
+        model.forward_backward_pipeline((x, y))
+    for ties, error, match in (([("0.weight", "5.bias")], ValueError, "not a trainable param"),
+                               ([("0.weight", "x.weight")], ValueError, "<layer index>"),
+                               ([("0.weight",)], ValueError, ">= 2 distinct"),
+                               (("0.weight", "5.weight"), TypeError, "list of ties")):
+        with pytest.raises(error, match=match):
+            PipelineParallel(_tied_layers(), hcg, strategy, _mse, shared_weights=ties)
+    dist.barrier()  # every rank raised and got here
+    return "ok"
+
+
+# ---------------------------------------------------------------- several schedule calls
+
+def accumulate_calls(rank, world, steps=3):
+    """The issue's input: pp 2 x sharding 2, v1, 1 micro-batch per call, SGD lr 0.1, loss
+    mean/2, a step = forward_backward_pipeline(x1) then train_batch(x2), x = 1 | 5 on
+    sharding rank 0 and 3 | 7 on rank 1. Without overlap: a = b = 0.6, 0.36, 0.216 (hand
+    values), release on and off. With sharding comm overlap: the second call raises
+    ValueError on every rank, before any communication (no rank is left waiting)."""
+    for overlap in (False, True):
+        for release in (False, True):
+            strategy = _strategy(pp=2, sharding=2, acc=1, release=release,
+                                 sharding_comm_overlap=overlap)
+            hcg = HybridCommunicateGroup(strategy)
+            model = PipelineParallel([Scale(1.0), Scale(1.0)], hcg, strategy,
+                                     lambda out, y: out.mean() / 2)
+            opt = DygraphShardingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hcg,
+                                           strategy)
+            x1, x2 = ((1.0, 5.0), (3.0, 7.0))[hcg.get_sharding_parallel_rank()]
+            x1, x2 = torch.tensor([[x1]]), torch.tensor([[x2]])
+            for step, want in zip(range(steps), (0.6, 0.36, 0.216)):
+                model.forward_backward_pipeline((x1, x1))
+                if overlap:
+                    with pytest.raises(ValueError, match="ran again before the optimizer step"):
+                        model.train_batch((x2, x2), opt)
+                    break
+                model.train_batch((x2, x2), opt)
+                (w,) = model.parameters()
+                assert math.isclose(float(w), want, rel_tol=1e-6), (release, step, float(w))
+    dist.barrier()  # every rank got here: none is blocked in a collective
+    return "ok"

@@ -1,0 +1,222 @@
+"""Weights tied across pipeline stages: Paddle's SharedLayerDesc for `PipelineParallel`.
+
+Mirrors `SharedLayerDesc`, `_construct_shared_comm`, `_synchronize_shared_weights` and
+`allreduce_shared_weight_gradients` of `PipelineLayer`
+(`python/paddle/distributed/fleet/meta_parallel/parallel_layers/pp_layers.py`) and their call
+at the end of `PipelineParallel.forward_backward_pipeline` (`pipeline_parallel.py`).
+
+A tied weight (typically the token embedding on the first stage and the LM head on the last)
+is one param per holding stage. At build, a process group per tie joins the ranks of its
+stages at each dp / sharding position (every rank creates every group, in one order), and the
+weight is broadcast from its first holder, so the copies start equal. After the schedule the
+copies' grads are all-reduced (SUM) over that group, so each copy steps on the full grad, and
+the copies stay equal. Later copies get `is_firstly_shared = False` (Paddle's flag), so the
+global-norm clip counts the weight once.
+
+Order with comm overlap (the hazard): the overlap hooks fire a bucket's dp all-reduce or
+sharding reduce / reduce-scatter during the last backward. If a tied copy's bucket fired
+before the pipe sum, each stage would reduce only its own part, and (with v1 owners or v2
+offsets that differ between the stages) the later sum would mix reduced and unreduced pieces.
+So a bucket holding a tied copy only checks in from backward (`add_grad(use_comm=False)`);
+after the schedule the copies are summed over their groups, then the held buckets fire, then
+every bucket is waited and scaled. Without overlap the sum runs before the optimizer's own
+reduce. Both orders put the full grad in front of the sharding / dp collective.
+Phases: build (groups, broadcast) -> backward (held check-ins) -> sum -> fire held -> scale.
+
+Leaves out: Paddle's `forward_func` (a holder's own forward: here each layer is a module whose
+forward is its own), shared layers (here: shared params), the interleaved schedule.
+
+References: Paddle's pp_layers.py (`SharedLayerDesc`); Press & Wolf, "Using the Output
+Embedding to Improve Language Models" (2017).
+"""
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from comm_buffer import bw_hook_func, main_grad_or_grad as _grad
+
+_META = 11  # status, dtype code, ndim, up to 8 dims
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def check_in_hook(buffer, param):
+    """Like `comm_buffer.bw_hook_func`, but checks `param` in without firing the collective
+    (`add_grad(param, use_comm=False)`): the caller fires it with `buffer.comm_grads()`."""
+    buffer_ref = weakref.ref(buffer)
+
+    @torch.no_grad()
+    def check_in(param):
+        buffer = buffer_ref()
+        if buffer is None:
+            raise RuntimeError("a grad hook outlived its FusedCommBuffer; keep the buffers "
+                               "alive while training")
+        buffer.add_grad(param, use_comm=False)
+
+    return check_in
+
+
+def _split_name(name, n_layers):
+    index, _, rest = name.partition(".")
+    if not (index.isdigit() and int(index) < n_layers and rest):
+        raise ValueError(f"a shared_weights name is '<layer index>.<param name>' as in "
+                         f"nn.Sequential(*layers).named_parameters(), index < {n_layers}; "
+                         f"got {name!r}, e.g. '0.weight'")
+    return int(index), rest
+
+
+class SharedWeights:
+    """The ties of one `PipelineParallel` stage: groups, broadcast at build, grad sum.
+
+    Args:
+        layers: this stage's nn.Sequential (a same-stage tie rebinds its later names to the
+            first name's Parameter).
+        hcg: the topology; read: `get_stage_id()`, `get_pipe_parallel_{group,world_size}()`,
+            `get_rank_from_stage(s)`.
+        shared_weights: None or a list of ties; a tie is a tuple of >= 2 names
+            `'<layer index>.<param name>'` in the whole layer list, as
+            `nn.Sequential(*layers).named_parameters()` spells them (e.g.
+            `("0.tok.weight", "5.proj.weight")`), each a trainable param of the same shape and
+            dtype. Names on one stage become one Parameter (the first's); names on several
+            stages are summed over those stages' ranks.
+        bounds: the stage boundaries in the layer list (stage s holds `[b[s], b[s+1])`).
+        device: the device of the collectives.
+    Raises ValueError (on every rank, before the groups are built) for a malformed tie, a
+    name that is no trainable param of its layer, or copies of different shape / dtype;
+    TypeError for a tie that is not a tuple / list of str.
+    """
+
+    def __init__(self, layers, hcg, shared_weights, bounds, device):
+        self.held_buffers = []  # buckets with a tied copy: fired by allreduce_...()
+        self._comm = []  # (param, group) of the ties this stage holds across stages
+        self._tied = set()  # this stage's tied params, by identity
+        ties = self._parse(shared_weights or [], bounds)
+        if not ties:
+            return
+        stage = hcg.get_stage_id()
+        local = {}  # tie index -> this stage's param
+        for t, names in enumerate(ties):
+            mine = [(i, rest) for i, rest, s in names if s == stage]
+            params = [self._lookup(layers, i - bounds[stage], rest) for i, rest in mine]
+            if params and all(p is not None for p in params):
+                for i, rest in mine[1:]:  # same stage: one Parameter
+                    self._set(layers[i - bounds[stage]], rest, params[0])
+                local[t] = params[0]
+            elif params:
+                local[t] = None  # reported below, on every rank
+        self._check_agreed(ties, local, hcg, device)
+        self._build_groups(ties, local, hcg, stage, device)
+
+    @staticmethod
+    def _parse(shared_weights, bounds):
+        if isinstance(shared_weights, (str, tuple)) or not isinstance(shared_weights, list):
+            raise TypeError("shared_weights must be a list of ties, each a tuple of names, e.g. "
+                            f"[('0.weight', '5.weight')]; got {shared_weights!r}")
+        ties, seen = [], set()
+        for tie in shared_weights:
+            if not isinstance(tie, (tuple, list)) or not all(isinstance(n, str) for n in tie):
+                raise TypeError(f"a tie is a tuple of names (str); got {tie!r}")
+            if len(tie) < 2 or len(set(tie)) != len(tie) or seen & set(tie):
+                raise ValueError(f"a tie names >= 2 distinct params, each in one tie only; got "
+                                 f"{tie!r}")
+            seen |= set(tie)
+            names = []
+            for name in tie:
+                i, rest = _split_name(name, bounds[-1])
+                stage = max(s for s in range(len(bounds) - 1) if bounds[s] <= i)
+                names.append((i, rest, stage))
+            ties.append(sorted(names, key=lambda n: n[2]))  # first holder first
+        return ties
+
+    @staticmethod
+    def _lookup(layers, index, name):
+        try:
+            p = layers[index].get_parameter(name)
+        except AttributeError:
+            return None
+        return p if p.requires_grad else None
+
+    @staticmethod
+    def _set(layer, name, param):
+        module_name, _, attr = name.rpartition(".")
+        setattr(layer.get_submodule(module_name) if module_name else layer, attr, param)
+
+    def _check_agreed(self, ties, local, hcg, device):
+        """All-gather each stage's view of each tie over the pipe: raise the same error
+        everywhere for a missing param or copies that differ."""
+        mine = torch.full((len(ties), _META), -1, dtype=torch.long, device=device)
+        for t, p in local.items():
+            mine[t, 0] = 0
+            if p is not None and p.dim() <= _META - 3 and p.dtype in _DTYPES:
+                mine[t, :3] = torch.tensor([1, _DTYPES.index(p.dtype), p.dim()])
+                mine[t, 3 : 3 + p.dim()] = torch.tensor(p.shape)
+        views = [torch.empty_like(mine) for _ in range(hcg.get_pipe_parallel_world_size())]
+        dist.all_gather(views, mine, group=hcg.get_pipe_parallel_group())
+        for t, names in enumerate(ties):
+            rows = [v[t].tolist() for v in views if v[t, 0] != -1]
+            spelled = [f"{i}.{rest}" for i, rest, _ in names]
+            if any(r[0] == 0 for r in rows):
+                raise ValueError(f"shared_weights {spelled}: a name is not a trainable param "
+                                 "(float, <= 8 dims) of its layer; spell it as "
+                                 "nn.Sequential(*layers).named_parameters() does")
+            if any(r != rows[0] for r in rows):
+                shapes = [(_DTYPES[r[1]], r[3 : 3 + r[2]]) for r in rows]
+                raise ValueError(f"shared_weights {spelled}: the copies differ in dtype / shape "
+                                 f"{shapes}; tied params must match")
+
+    def _build_groups(self, ties, local, hcg, stage, device):
+        """One group per tie spanning stages, per pipe, created by every rank in one order;
+        then the broadcast from the first holder."""
+        if all(len({s for _, _, s in names}) < 2 for names in ties):
+            return
+        pp = hcg.get_pipe_parallel_world_size()
+        mine = torch.tensor([hcg.get_rank_from_stage(s) for s in range(pp)], device=device)
+        pipes = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(pipes, mine)  # every pipe of the job, the same list on every rank
+        pipes = sorted({tuple(p.tolist()) for p in pipes})
+        me = dist.get_rank()
+        for t, names in enumerate(ties):
+            stages = sorted({s for _, _, s in names})
+            if len(stages) < 2:
+                continue  # one stage: one Parameter already, nothing to sum
+            for pipe in pipes:
+                ranks = [pipe[s] for s in stages]
+                group = dist.new_group(ranks)
+                if me in ranks:
+                    param = local[t]
+                    with torch.no_grad():
+                        dist.broadcast(param.detach(), src=ranks[0], group=group)
+                    if stage != stages[0]:
+                        param.is_firstly_shared = False  # the clip counts the first copy only
+                    self._comm.append((param, group))
+                    self._tied.add(param)
+
+    def __bool__(self):
+        """True if this stage holds a copy of a weight tied across stages."""
+        return bool(self._comm)
+
+    def hook_func(self, bucket, buffer):
+        """The hook maker for `bucket`'s params: `bw_hook_func`, or `check_in_hook` if the bucket
+        holds a tied copy (then `buffer` is fired by `allreduce_shared_weight_gradients`)."""
+        if not any(p in self._tied for p in bucket) or not self._comm:
+            return bw_hook_func
+        self.held_buffers.append(buffer)
+        return check_in_hook
+
+    @torch.no_grad()
+    def allreduce_shared_weight_gradients(self):
+        """Sum each tied copy's grad (main_grad if set) over its group, then fire the held
+        buckets' collectives (wait and scale stay with the caller). A copy without a grad
+        (unused on this stage) joins with zeros and then steps on the others' grad."""
+        for param, group in self._comm:
+            grad = _grad(param)
+            if grad is None:
+                grad = torch.zeros_like(param, dtype=torch.float32 if hasattr(
+                    param, "main_grad") else param.dtype)
+                if hasattr(param, "main_grad"):
+                    param.main_grad = grad
+                else:
+                    param.grad = grad
+            dist.all_reduce(grad, group=group)
+        for buffer in self.held_buffers:
+            buffer.comm_grads()
