@@ -119,7 +119,7 @@ class PipelineParallel(nn.Module):
         # its ranks (torch's rule for P2POp); a tiny all-reduce does that on every backend.
         dist.all_reduce(torch.zeros(1, device=self._device()),
                         group=hcg.get_pipe_parallel_group())
-        self._shared = SharedWeights(self._layers, hcg, shared_weights, bounds, self._device())
+        self._shared = self._shared_weights(shared_weights, bounds)
         self._grad_clip = None
         self._grads_pending = False  # a schedule ran and no _optimizer_step since
         if self._dp_comm_overlap:
@@ -145,6 +145,9 @@ class PipelineParallel(nn.Module):
             raise ValueError(f"pp_configs.num_virtual_pipeline_stages={num_virtual_stages} "
                              "needs the interleaved schedule: build PipelineParallelWithInterleave"
                              " (pipeline_schedules.interleave); PipelineParallel runs 1 chunk")
+
+    def _shared_weights(self, shared_weights, bounds):
+        return SharedWeights(self._layers, self._hcg, shared_weights, bounds, self._device())
 
     def _build_layers(self, layers, seg_boundaries):
         """This stage's `nn.Sequential` of `layers[b[s]:b[s+1]]`, built from LayerDescs, and

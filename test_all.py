@@ -437,6 +437,12 @@ def test_interleave_sharding_and_dp(ranks):
     ranks(4).run(interleave.with_sharding_and_dp)
 
 
+def test_interleave_tied_weights(ranks):
+    """Check a weight tied between chunk 0 of stage 0 and the last chunk of stage 1 (2 virtual
+    stages, sharding v1/v2, overlap on/off, clipped) stays equal and equals one process."""
+    ranks(4).run(interleave.tied_weights)
+
+
 # ---------------------------------------------------------------- grad_clip/, shared_weights/
 
 def test_clip_coefficient_and_fp32_sum():

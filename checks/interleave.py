@@ -12,8 +12,10 @@ from grad_clip import ClipGradByGlobalNorm
 from pipeline import PipelineParallel
 from pipeline_schedules.interleave import PipelineParallelWithInterleave
 from relgrad import HybridCommunicateGroup
+from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
 from checks.common import (OPTIMIZERS, PIPE_SIZES, _data, _mse, _pipe_layers, _released,
-                           _strategy)
+                           _same_on_all, _strategy)
+from checks.clipping import _tied_layers, _tied_oracle
 from checks.pipe import _V1, _V2, _pipe_oracle, _spy_collectives
 
 # ---- the interleaved order for pp 2 x 2 virtual stages, written out by hand ----
@@ -91,10 +93,6 @@ def schedule_and_errors(rank, world):
         _interleaved(_strategy(pp=2, acc=3), hcg)
     with pytest.raises(ValueError, match="num_virtual_pipeline_stages >= 2, got 1"):
         _interleaved(_strategy(pp=2, acc=4), hcg, vpp=1)
-    with pytest.raises(ValueError, match="shared_weights is not supported with virtual"):
-        PipelineParallelWithInterleave(_pipe_layers(), hcg, _strategy(
-            pp=2, acc=4, num_virtual_pipeline_stages=2), _mse,
-            shared_weights=[("0.weight", "6.weight")])
     with pytest.raises(ValueError, match="num_virtual_pipeline_stages=2 needs the interleaved"):
         PipelineParallel(_pipe_layers(), hcg, _strategy(pp=2, acc=4,
                                                         num_virtual_pipeline_stages=2), _mse)
@@ -273,4 +271,36 @@ def with_sharding_and_dp(rank, world):
         strategy = _strategy(pp=4, acc=acc)
         _check_case(HybridCommunicateGroup(strategy), strategy, None, "sgd",
                     bounds=[0, 1, 3, 5, 7, 7, 7, 7, 7])
+    return "ok"
+
+
+def tied_weights(rank, world, steps=3, clip=0.05):
+    """pp 2 x sharding 2, 2 virtual stages, v1 / v2 with overlap and v1 without, release on:
+    a weight tied between chunk 0 (rank 0) and chunk 3 (rank 1) stays bitwise equal on all
+    ranks, and training (clipped) equals one process using one weight twice."""
+    batch = 2 * 2 * 2  # replicas x micro-batches x samples
+    oracle_norms, oracle = _tied_oracle(steps, clip, batch)
+    for version, overlap in ((1, True), (2, True), (1, False)):
+        strategy = _strategy(pp=2, sharding=2, acc=2, release=True, split_param=version == 2,
+                             sharding_comm_overlap=overlap, num_virtual_pipeline_stages=2)
+        hcg = HybridCommunicateGroup(strategy)
+        stage, replica = hcg.get_stage_id(), hcg.get_sharding_parallel_rank()
+        # 6 layers in 4 chunks [T] [tanh A] [B] [tanh T']: rank 0 holds T, B; rank 1 A, T'
+        model = PipelineParallelWithInterleave(_tied_layers(), hcg, strategy, _mse,
+                                               shared_weights=[("0.weight", "5.weight")])
+        tied = model._layers[0][0].weight if stage == 0 else model._layers[1][1].weight
+        assert getattr(tied, "is_firstly_shared", True) == (stage == 0)
+        grad_clip = ClipGradByGlobalNorm(clip)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        cls = DygraphShardingOptimizerV2 if version == 2 else DygraphShardingOptimizer
+        opt = cls(opt, hcg, strategy, grad_clip=grad_clip)
+        for step in range(steps):
+            x, y = (t.chunk(2)[replica] for t in _data(step, batch, 8, 8))
+            model.train_batch((x, y), opt)
+            assert _same_on_all([tied]), (version, overlap, step)
+            torch.testing.assert_close(grad_clip.global_norm, oracle_norms[step],
+                                       rtol=1e-5, atol=0)
+            want = [oracle[step][i] for i in ((0, 3) if stage == 0 else (2, 5))]
+            for got, w in zip(model.parameters(), want):
+                torch.testing.assert_close(got.detach(), w, rtol=1e-5, atol=1e-6)
     return "ok"

@@ -40,6 +40,7 @@ from torch import nn
 
 from comm_buffer import bw_hook_func
 from pipeline import _DTYPES, _META_LEN, PipelineParallel, _build_segment, _cut_layers
+from shared_weights import SharedWeights
 
 
 class PipelineParallelWithInterleave(PipelineParallel):
@@ -50,20 +51,11 @@ class PipelineParallelWithInterleave(PipelineParallel):
     entries: chunk c is `layers[b[c]:b[c+1]]`; default an even split of the layers by count
     (fewer layers than P*V chunks leaves some chunks empty, i.e. the identity).
     `self._layers` is an `nn.ModuleList` of this rank's V chunks (`nn.Sequential` each).
+    `shared_weights` as PipelineParallel (names index the whole layer list; typically the
+    embedding in chunk 0 on stage 0 and the head in chunk P*V-1 on stage P-1).
     Raises ValueError, on every rank before any communication, unless V is an int > 1,
-    pp_degree >= 2 and accumulate_steps is a multiple of pp_degree, or for `shared_weights`
-    (not supported with virtual stages yet); and as PipelineParallel.
+    pp_degree >= 2 and accumulate_steps is a multiple of pp_degree; and as PipelineParallel.
     """
-
-    def __init__(self, layers, hcg, strategy, loss_fn, seg_boundaries=None,
-                 shared_weights=None):
-        if shared_weights:
-            # shared_weights.SharedWeights finds a tie's holder from contiguous stage bounds;
-            # with chunks s, s+P, ... a rank's layers are not contiguous.
-            raise ValueError("shared_weights is not supported with virtual pipeline stages "
-                             f"yet; got {shared_weights!r}: untie the weights, or set "
-                             "num_virtual_pipeline_stages=1 and use PipelineParallel")
-        super().__init__(layers, hcg, strategy, loss_fn, seg_boundaries)
 
     def _check_virtual_stages(self, num_virtual_stages):
         # Called by PipelineParallel.__init__ before its first collective.
@@ -92,6 +84,18 @@ class PipelineParallelWithInterleave(PipelineParallel):
         chunks = [self.stage_id + v * self.num_stages for v in range(self.num_model_chunks)]
         return nn.ModuleList([_build_segment(layers[bounds[c] : bounds[c + 1]])
                               for c in chunks]), bounds
+
+    def _shared_weights(self, shared_weights, bounds):
+        stages = self.num_stages
+
+        def placement(i):  # layer i -> (its rank's stage, its index among that rank's layers)
+            c = max(c for c in range(len(bounds) - 1) if bounds[c] <= i)
+            before = sum(bounds[d + 1] - bounds[d] for d in range(c % stages, c, stages))
+            return c % stages, before + i - bounds[c]
+
+        flat = nn.Sequential(*[layer for chunk in self._layers for layer in chunk])
+        assert len(flat) == sum(len(chunk) for chunk in self._layers)  # no module twice
+        return SharedWeights(flat, self._hcg, shared_weights, bounds, self._device(), placement)
 
     def forward(self, x, chunk_id):
         """Virtual stage `chunk_id` (0..V-1) of this rank on `x` (no communication)."""
@@ -127,7 +131,8 @@ class PipelineParallelWithInterleave(PipelineParallel):
 
     def _comm_chunk(self, chunk):
         for buffer in self._chunk_2_comm_buffers.get(chunk, []):
-            buffer.comm_grads()
+            if buffer not in self._shared.held_buffers:  # a tied copy's: after the tie sum
+                buffer.comm_grads()
 
     def _sync_overlap_grads(self):
         """Wait for and scale every chunk's buffers (Paddle's `_sync_overlap_grads`)."""
@@ -219,6 +224,8 @@ class PipelineParallelWithInterleave(PipelineParallel):
         # wait and scale: every chunk's collectives were issued by _overlap_comm_grads
         if not forward_only:
             self._grads_pending = True
+            # tied copies: sum over their stages, then fire their buckets (held back above)
+            self._shared.allreduce_shared_weight_gradients()
             self._sync_overlap_grads()
         if forward_only and not compute_loss:
             outputs, self._outputs = self._outputs, []
