@@ -23,8 +23,11 @@ every bucket is waited and scaled. Without overlap the sum runs before the optim
 reduce. Both orders put the full grad in front of the sharding / dp collective.
 Phases: build (groups, broadcast) -> backward (held check-ins) -> sum -> fire held -> scale.
 
+With virtual stages (`pipeline_schedules/interleave.py`) a rank's layers are not one range:
+the pipeline passes a `placement` (layer -> holding stage and index), the rest is the same.
+
 Leaves out: Paddle's `forward_func` (a holder's own forward: here each layer is a module whose
-forward is its own), shared layers (here: shared params), the interleaved schedule.
+forward is its own), shared layers (here: shared params).
 
 References: Paddle's pp_layers.py (`SharedLayerDesc`); Press & Wolf, "Using the Output
 Embedding to Improve Language Models" (2017).
