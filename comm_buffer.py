@@ -11,9 +11,12 @@ in `acc_steps` micro-batches. Without release the flat buffer lives for the whol
 up front: the first check-in of a step allocates the buffer, adds the first micro-batch's grad
 into its slot and re-points the grad at the slot; later micro-batches accumulate in place; after
 the optimizer step the caller drops the grads and calls `_clear_grad_storage()`.
-Phases of a step: check in -> communicate -> wait and scale -> step -> release.
+[later] With `free_grads_in_comm` (PaddleNLP #9081) the part of the buffer this rank will not
+read is freed as soon as the collective has completed (`scale_grads`): v2 keeps its shard only,
+a v1 non-owner keeps nothing.
+Phases of a step: check in -> communicate -> wait, scale (and free) -> step -> release.
 
-Leaves out: `use_reduce_avg`, `free_grads_in_comm`, timers and XPU paths (all added later).
+Leaves out: `use_reduce_avg`, timers and XPU paths (added later).
 
 References: Paddle PRs #59739, #58441, #58462, #58621; Rajbhandari et al., "ZeRO" (2020).
 """
@@ -23,7 +26,8 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-ALIGNMENT_BYTES = 256  # Paddle's alignment["gpu"]: each slot starts on a 256-byte boundary
+from buffer_layout import (ALIGNMENT_BYTES, ShardingGradView, _grad_of, _set_grad,
+                           _share_param_buffer, build_reduce_scatter_buffer, flatten_layout)
 
 
 class HOOK_ACTION:
@@ -133,132 +137,6 @@ def _update_main_grad(param):
     param.grad = None
 
 
-def _grad_of(param, use_main_grad):
-    return param.main_grad if use_main_grad else param.grad
-
-
-def _set_grad(param, use_main_grad, value):
-    if use_main_grad:
-        param.main_grad = value
-    else:
-        param.grad = value
-
-
-def _share_param_buffer(param, param_buffer, index):
-    """Copy `param` into `param_buffer[index:index+numel]` and make it a view of that range."""
-    flat = param_buffer[index : index + param.numel()]
-    flat.copy_(param.detach().reshape(-1))
-    param.data = flat.view(param.shape)  # same Parameter object: optimizers keep working
-
-
-class ShardingGradView:
-    """One parameter's place in a REDUCE_SCATTER bucket (Paddle's `ShardingGradView`).
-
-    The param occupies elements `[index, index + padded_size)` of the flat param buffer and of the
-    grad buffer (1-D, `padded_size` a multiple of `(256 / elem_size) * sharding_degree`). This rank
-    owns `[rank * shard, (rank + 1) * shard)`, `shard = buffer numel / sharding_degree`, and
-    `_param_begin:_param_end` is the overlap of the two ranges in buffer elements: it may be empty,
-    may include padding, and a param may straddle ranks. `_slice_grad` is the 1-D grad view of
-    that overlap; the optimizer's slice param is the matching 1-D view of the param buffer.
-    """
-
-    def __init__(self, param, param_buffer, grad_buffer, index, padded_size, sharding_degree,
-                 rank, use_main_grad=False, release_grad=False):
-        self._param = param
-        self._param_buffer = param_buffer
-        self._grad_buffer = grad_buffer
-        self._index = index
-        self._padded_size = padded_size
-        self._use_main_grad = use_main_grad
-        shard = param_buffer.numel() // sharding_degree
-        self._param_begin = max(index, rank * shard)
-        self._param_end = min(index + padded_size, (rank + 1) * shard)
-        # Differs from Paddle: an overlap made of padding only counts as empty here, so a rank
-        # whose shard holds none of this param's elements gets no slice and no optimizer state
-        # (Paddle hands its optimizer that all-zero slice; it stays zero under SGD and Adam).
-        self._has_local = self._param_begin < min(self._param_end, index + param.numel())
-        self._slice_grad = None
-        if not release_grad:
-            self._link_grad_to_buffer()
-        _share_param_buffer(param, param_buffer, index)
-
-    def _slice_grad_from_buffer(self):
-        """Set `_slice_grad` from `_grad_buffer`; return the param's 1-D grad view (numel)."""
-        if self._has_local:
-            self._slice_grad = self._grad_buffer[self._param_begin : self._param_end]
-        return self._grad_buffer[self._index : self._index + self._param.numel()]
-
-    def _link_grad_to_buffer(self):
-        grad = self._slice_grad_from_buffer().view(self._param.shape)
-        _set_grad(self._param, self._use_main_grad, grad)
-
-    def fill_slice_param(self, slice_param):
-        """Make `slice_param` the 1-D view `param_buffer[_param_begin:_param_end]`."""
-        slice_param.data = self._param_buffer[self._param_begin : self._param_end]
-
-    def assign_slice_grad(self, slice_param):
-        """Fill `slice_param` and bind its grad (or main_grad) to `_slice_grad`; skip if empty."""
-        if self._slice_grad is None:
-            return
-        self.fill_slice_param(slice_param)
-        if self._use_main_grad:
-            current = getattr(slice_param, "main_grad", None)
-        else:
-            current = slice_param.grad
-        if current is None:
-            _set_grad(slice_param, self._use_main_grad, self._slice_grad)
-        else:  # as Paddle asserts: a bound slice grad is already this step's `_slice_grad`
-            assert current.data_ptr() == self._slice_grad.data_ptr(), "stale slice grad"
-
-    def _reset_grad_buffer(self):
-        """Drop this view's grad buffer references (Paddle frees them with _clear_dataptr)."""
-        self._slice_grad = None
-        self._grad_buffer = None
-
-
-def build_reduce_scatter_buffer(params, sharding_degree, rank, use_main_grad=False,
-                                release_grad=False):
-    """Lay out a REDUCE_SCATTER bucket; move `params` into one flat param buffer.
-
-    Each param is padded to a multiple of `unit = (256 / elem_size) * sharding_degree` elements,
-    so every rank's shard starts on a 256-byte boundary. Worked example, bf16 params of 300, 1000
-    and 20 elements on 4 ranks: unit 512; padded 512, 1024, 512; total 2048, shard 512; the first
-    lies on rank 0, the second straddles ranks 1 and 2 (rank 2's piece ends in 24 padding elements),
-    the third is 20 elements plus padding on rank 3; rank 0's overlap with the second is empty.
-    Returns `(views: dict[param, ShardingGradView], total elements, param_buffer, grad_buffer)`;
-    the grad buffer (fp32 with main_grad, else param dtype, zero-filled) is None when releasing.
-    """
-    dtype, device = params[0].dtype, params[0].device
-    unit = ALIGNMENT_BYTES // dtype.itemsize * sharding_degree
-    padded = [(p.numel() + unit - 1) // unit * unit for p in params]
-    total = sum(padded)
-    grad_dtype = torch.float32 if use_main_grad else dtype
-    param_buffer = torch.zeros(total, dtype=dtype, device=device)
-    grad_buffer = None if release_grad else torch.zeros(total, dtype=grad_dtype, device=device)
-    views, index = {}, 0
-    for p, size in zip(params, padded):
-        views[p] = ShardingGradView(p, param_buffer, grad_buffer, index, size, sharding_degree,
-                                    rank, use_main_grad, release_grad)
-        index += size
-    return views, total, param_buffer, grad_buffer
-
-
-def flatten_layout(params):
-    """Offsets of an ALL_REDUCE / REDUCE bucket (layout half of Paddle's flatten_dense_tensors).
-
-    Each param's slot is its numel padded up to 256 bytes measured in the *param* dtype, also
-    when the buffer holds fp32 main grads (bf16, 1000 elements: 2000 B + 48 B of padding, a slot
-    of 1024 elements, i.e. 4096 B of fp32). Returns `(buffer_size in elements,
-    param2offset: dict[param, element offset])`.
-    """
-    size, param2offset = 0, {}
-    for p in params:
-        pad_bytes = -p.numel() * p.element_size() % ALIGNMENT_BYTES
-        param2offset[p] = size
-        size += p.numel() + pad_bytes // p.element_size()
-    return size, param2offset
-
-
 class FusedCommBuffer:
     """One bucket's fused grad buffer and its collective (Paddle's `FusedCommBuffer`).
 
@@ -273,8 +151,14 @@ class FusedCommBuffer:
         fuse_param: also move the params into one flat param buffer (not with release).
         scale_after_comm: scale by 1/nranks after the collective (else before).
         release_grads: allocate the grad buffer lazily each step; see `_clear_grad_storage`.
+        free_grads_in_comm: [later] free, once the collective has completed (`scale_grads`),
+            what this rank will not read: REDUCE_SCATTER keeps only its shard (`grad_storage`
+            becomes `buffer_size / nranks` elements, the slice grads view it, the params'
+            grads are dropped); REDUCE drops the whole buffer and the grads on ranks other
+            than `dst`. Needs release_grads; any acc_steps (Paddle: acc_steps 1, v2 only).
 
-    Attributes: `grad_storage` (1-D, `buffer_size` elements; None while released),
+    Attributes: `grad_storage` (1-D, `buffer_size` elements; None while released; with
+    free_grads_in_comm after the collective: the shard, or None on a REDUCE non-owner),
     `param_storage` (REDUCE_SCATTER or fuse_param), `param2offset` (ALL_REDUCE / REDUCE),
     `_sharding_param_grad_view` (REDUCE_SCATTER). Params are keys by identity (Paddle: by name).
 
@@ -286,14 +170,16 @@ class FusedCommBuffer:
     `_clear_grad_storage()` (release on). Skipping a part raises at the next check-in.
     Raises ValueError for an empty, mixed-dtype or frozen bucket, an unknown act, a dst that
     does not fit the act or is not in `comm_group`, `fuse_param` with `release_grads` or with
-    REDUCE_SCATTER, or acc_steps that is not an int >= 1.
+    REDUCE_SCATTER, acc_steps that is not an int >= 1, or `free_grads_in_comm` without
+    `release_grads` or with ALL_REDUCE.
     """
 
     def __init__(self, id, params, comm_group, acc_steps=1, act=None, dst=-1,
                  use_main_grad=None, fuse_param=False, scale_after_comm=True,
-                 release_grads=False):
+                 release_grads=False, free_grads_in_comm=False):
         params = list(params)
         _check_args(params, acc_steps, act, dst, fuse_param, release_grads)
+        _check_free_args(act, release_grads, free_grads_in_comm)
         self._id = id
         self._params = params
         self._index = {p: i for i, p in enumerate(params)}
@@ -309,6 +195,8 @@ class FusedCommBuffer:
         self._scale_after_comm = scale_after_comm
         self._fuse_param = fuse_param
         self._release_grads = release_grads
+        self._free_grads_in_comm = free_grads_in_comm
+        self._freed_in_comm = False  # freed in scale_grads, not yet released by the caller
         self.use_main_grad = (use_main_grad if use_main_grad is not None
                               else hasattr(params[0], "main_grad"))
         # Beyond Paddle (which decides from params[0] alone): the others would get zero
@@ -429,6 +317,12 @@ class FusedCommBuffer:
         if self._task is not None:
             raise RuntimeError(f"bucket {self._id}: a collective on the grad buffer is in "
                                "flight; call scale_grads() before releasing the buffer")
+        self._drop_grad_storage()
+        self._freed_in_comm = False
+        self._reset_params_checked_in()
+
+    def _drop_grad_storage(self):
+        """Drop `grad_storage`, the views into it and every bucket grad that aliases it."""
         storage, self.grad_storage = self.grad_storage, None
         if self._act == HOOK_ACTION.REDUCE_SCATTER:
             for view in self._sharding_param_grad_view.values():
@@ -439,7 +333,19 @@ class FusedCommBuffer:
                 grad = _grad_of(p, self.use_main_grad)
                 if grad is not None and grad.untyped_storage().data_ptr() == base:
                     _set_grad(p, self.use_main_grad, None)
-        self._reset_params_checked_in()
+
+    def _reset_grad_storage(self, slice_grad_buffer):
+        """free_grads_in_comm, REDUCE_SCATTER: keep only this rank's reduced shard.
+
+        Paddle's `_reset_grad_storage`: the full buffer and the params' grads (views of it) are
+        dropped, `grad_storage` becomes `slice_grad_buffer` (1-D, `buffer_size / nranks`
+        elements) and every slice grad is re-pointed into it. The optimizer reads the same
+        values as without free: the slice grads, bound by `assign_slice_grad`.
+        """
+        self._drop_grad_storage()
+        for view in self._sharding_param_grad_view.values():
+            view._reset_grad_buffer(slice_grad_buffer)
+        self.grad_storage = slice_grad_buffer
 
     def add_grad(self, param, use_comm=True):
         """Check `param` in for this micro-batch; issue the collective once all are in.
@@ -466,7 +372,8 @@ class FusedCommBuffer:
                              "register_main_grad_hooks must be registered before the buffer's "
                              "hooks (bw_hook_func), so that main_grad is up to date here")
         if self._release_grads and self._params_step_dict[param] == 0:
-            if self.grad_storage is not None and self._params_checked_in == 0 and not any(
+            unreleased = self.grad_storage is not None or self._freed_in_comm
+            if unreleased and self._params_checked_in == 0 and not any(
                     self._params_step_dict.values()):
                 raise ValueError(
                     f"bucket {self._id}: a new step started while last step's grad buffer is "
@@ -528,6 +435,10 @@ class FusedCommBuffer:
     def scale_grads(self):
         """Wait for the collective, scale by 1/nranks (if after comm), reset the check-ins.
 
+        Only what this rank reads is scaled (differs from Paddle, which scales the whole
+        buffer, one wasted pass over (1 - 1/nranks) of it): after a reduce-scatter this rank's
+        shard, after a reduce the owner's (`dst`) buffer, after an all-reduce everything. With
+        free_grads_in_comm, what this rank will not read is freed here (see the class).
         Raises RuntimeError if no collective was issued this step.
         """
         if self._task is None:
@@ -535,8 +446,28 @@ class FusedCommBuffer:
                                f"for: {self._check_in_status()}. A param that gets no grad in "
                                "backward never checks in; or scale_grads() already ran this step")
         self._task.wait()
-        if self._scale_after_comm:
-            self.grad_storage.mul_(1.0 / self._nranks)
+        self._task = None  # let go of the work now: on gloo it holds a full-size temporary
+        reads = self._act != HOOK_ACTION.REDUCE or dist.get_rank() == self._dst
+        scale = self._scale_after_comm and reads
+        if self._free_grads_in_comm and self._act == HOOK_ACTION.REDUCE_SCATTER:
+            # Differs from Paddle, which reduce-scatters into a fresh shard-sized tensor and
+            # swaps the buffers at issue: here the reduce-scatter runs in place and the shard
+            # is copied out once it is done (scaled in the same pass), so the new G/S bytes
+            # (G = buffer bytes, S = nranks) are never alive beside the collective. Bytes of
+            # a bucket: NCCL, G in flight, G + G/S for the copy, then G/S. gloo adds a
+            # full-size temporary in flight (torch's gloo reduce-scatter is an all-reduce of
+            # a copy), freed with the work above; Paddle's order would hold G + G/S (+ G).
+            local = self._local_shard(self.grad_storage)
+            self._reset_grad_storage(local * (1.0 / self._nranks) if scale else local.clone())
+            scale = False
+        elif self._free_grads_in_comm and not reads:  # REDUCE, not the owner: nothing to keep
+            self._drop_grad_storage()
+        self._freed_in_comm = self._free_grads_in_comm
+        if scale:
+            mine = self.grad_storage
+            if self._act == HOOK_ACTION.REDUCE_SCATTER:
+                mine = self._local_shard(mine)
+            mine.mul_(1.0 / self._nranks)
         self._reset_params_checked_in()
 
     @torch.no_grad()
@@ -590,6 +521,15 @@ def _check_args(params, acc_steps, act, dst, fuse_param, release_grads):
     if frozen:
         raise ValueError(f"params #{frozen} do not require grad; a bucket holds trainable "
                          "params only (as in Paddle): leave frozen params out")
+
+
+def _check_free_args(act, release_grads, free_grads_in_comm):
+    if free_grads_in_comm and not release_grads:
+        raise ValueError("free_grads_in_comm=True needs release_grads=True (as in Paddle): the "
+                         "buffer it frees must be re-allocated at the next step's first check-in")
+    if free_grads_in_comm and act == HOOK_ACTION.ALL_REDUCE:
+        raise ValueError("free_grads_in_comm has nothing to free with act=ALL_REDUCE (every rank "
+                         "reads the whole buffer); use it with REDUCE or REDUCE_SCATTER")
 
 
 # torch 2.13 renamed these collectives; fall back to the old names for older torch.

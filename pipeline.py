@@ -185,7 +185,10 @@ class PipelineParallel(nn.Module):
                 for idx, bucket in assign_group_by_size(group_params, group_size).items():
                     # Seed hunk: the buffer gets release_grads from pp_configs.
                     buffer = FusedCommBuffer(idx, bucket, comm_group, acc_steps, act, dst,
-                                             release_grads=self._release_gradients)
+                                             release_grads=self._release_gradients,
+                                             free_grads_in_comm=not dp and self._strategy
+                                             .hybrid_configs["sharding_configs"]
+                                             .free_grads_in_comm)  # [later], PaddleNLP #9081
                     self._chunk_2_comm_buffers[chunk_idx].append(buffer)
                     hook = self._shared.hook_func(bucket, buffer)  # a tied copy: check in only
                     if hook is bw_hook_func:  # untied: this schedule's own hook

@@ -83,22 +83,25 @@ class DygraphShardingConfig:
     """Paddle's `DygraphShardingConfig` message (the fields this reference uses)."""
 
     split_param: bool = False  # sharding v2: flat param shards (DygraphShardingOptimizerV2)
-    accumulate_steps: int = 1  # check-ins per step for v2's own buffers (no pipeline overlap)
-    comm_overlap: bool = False  # sharding's own tensor-fusion overlap; not implemented here
+    accumulate_steps: int = 1  # check-ins per step for v1/v2's own buffers (no pipeline)
+    comm_overlap: bool = False  # sharding's own tensor-fusion overlap (hooks, no pipeline)
     release_gradients: bool = False  # [later] field 8, PR #64517: ORed with pp_configs' flag
+    # [later] PaddleNLP #9081: free what a rank will not read once its bucket is reduced
+    # (v2: all but its shard; v1: a non-owner's grads); needs release
+    free_grads_in_comm: bool = False
 
     def __post_init__(self):
         _require(self.accumulate_steps >= 1, "sharding_configs.accumulate_steps must be >= 1, "
                  f"got {self.accumulate_steps}")
-        _require(not self.comm_overlap, "sharding_configs.comm_overlap is not implemented in "
-                 "relgrad; use pp_configs.sharding_comm_overlap")
 
 
 @dataclass
 class HybridStrategy:
     """Paddle's `DistributedStrategy.hybrid_configs` plus `pipeline_configs`, flattened.
 
-    Raises ValueError for a degree or accumulate_steps < 1, or micro_batch_size < 1.
+    Raises ValueError for a degree or accumulate_steps < 1, micro_batch_size < 1,
+    sharding_configs.free_grads_in_comm without release, or sharding_configs.comm_overlap
+    with a pipeline.
     """
 
     dp_degree: int = 1  # data-parallel replicas (outermost axis of the rank grid)
@@ -116,6 +119,15 @@ class HybridStrategy:
                      f"{name} must be an int >= 1, got {value!r}")
         _require(self.micro_batch_size is None or self.micro_batch_size >= 1,
                  f"micro_batch_size must be None or >= 1, got {self.micro_batch_size!r}")
+        pp, sd = self.pp_configs, self.sharding_configs
+        released = pp.release_gradients or (sd.release_gradients and not pp.sharding_comm_overlap)
+        _require(released or not sd.free_grads_in_comm, "sharding_configs.free_grads_in_comm "
+                 "needs release: turn on pp_configs.release_gradients (or, without "
+                 "pp_configs.sharding_comm_overlap, sharding_configs.release_gradients)")
+        _require(not (sd.comm_overlap and (pp.sharding_comm_overlap or self.pp_degree > 1)),
+                 "sharding_configs.comm_overlap is sharding's own overlap without a pipeline; "
+                 f"got pp_degree={self.pp_degree}, pp_configs.sharding_comm_overlap="
+                 f"{pp.sharding_comm_overlap}: use pp_configs.sharding_comm_overlap instead")
 
     @property
     def hybrid_configs(self):

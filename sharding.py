@@ -16,7 +16,12 @@ rank, misuse seen anywhere) -> reduce -> dp all-reduce (dp > 1) -> clip (`grad_c
 owned params / slices -> broadcast / all-gather. Both keep torch's optimizer contract
 (`optim_wrappers.torch_face`).
 
-Leaves out: v1's own tensor fusion (`comm_overlap`), offload, color sharding,
+Without a pipeline, `sharding_configs.comm_overlap` (sharding's own tensor-fusion overlap)
+registers the buffers' hooks in the optimizer itself, so each bucket's reduce (v1, buckets
+grouped by owner) or reduce-scatter (v2) overlaps the last backward; `free_grads_in_comm`
+[later] frees what a rank will not read as soon as the collective is done.
+
+Leaves out: v1's fused params and fused optimizer, offload, color sharding,
 torch.amp.GradScaler (refused with a clear error).
 
 References: Paddle PRs #59739, #58462, #58621, #64517 (sharding-side release flag);
@@ -33,6 +38,7 @@ from optim_wrappers.grad_agreement import agree, fill_missing_grads
 from optim_wrappers.master_weights import MixPrecisionOptimizer
 from optim_wrappers.torch_face import _Wrapper, clear_grad_func as _clear
 from checkpoint import sharding_state
+from own_comm_overlap import _OwnOverlap
 
 
 _ERASE_MSG = ("should not erase grad buffer: with release_gradients off the grads are views of "
@@ -64,16 +70,13 @@ def _check_grad_clip(grad_clip):
     return grad_clip
 
 
-class _Sharding(_Wrapper):
+class _Sharding(_OwnOverlap, _Wrapper):
     """What v1 and v2 share: flags, groups, whether to all-reduce over dp, and the agreement
     on grads and misuse that opens every `step()`."""
 
     def _setup(self, optimizer, hcg, strategy):
         pp_config = strategy.hybrid_configs["pp_configs"]
         sharding_config = strategy.hybrid_configs["sharding_configs"]
-        if sharding_config.comm_overlap:
-            raise ValueError("sharding_configs.comm_overlap (sharding's own tensor fusion) is "
-                             "not implemented here; use pp_configs.sharding_comm_overlap")
         self._hcg = hcg
         self._group = hcg.get_sharding_parallel_group()
         self._nranks = hcg.get_sharding_parallel_world_size()
@@ -93,6 +96,7 @@ class _Sharding(_Wrapper):
         self._dp_sync = (hcg.get_data_parallel_world_size() > 1
                          and not pp_config.dp_comm_overlap)
         self._reduced = False  # grads reduced by a step() and not cleared since
+        self._setup_own_overlap(strategy)
 
     def _begin_step(self):
         # Beyond Paddle: a second step() would reduce already reduced grads again.
@@ -120,7 +124,8 @@ class _Sharding(_Wrapper):
         anywhere = agree(has_grad, rules, groups, device)
         if any(p.requires_grad for p in params) and not any(anywhere):
             raise ValueError(_NO_GRAD_MSG)
-        fill_missing_grads(params, anywhere)
+        if not (self.pp_overlap and self._free_grads_in_comm):  # else freed on purpose
+            fill_missing_grads(params, anywhere)
         return anywhere
 
     # ---- checkpoints that load into any sharding degree (checkpoint/sharding_state.py)
@@ -189,16 +194,24 @@ class DygraphShardingOptimizer(_Sharding):
         strategy: e.g. `relgrad.HybridStrategy` (Paddle reads it from fleet); read here:
             `strategy.hybrid_configs["pp_configs"]`'s `sharding_comm_overlap`,
             `dp_comm_overlap`, `release_gradients`, and `...["sharding_configs"]`'s
-            `comm_overlap`, `release_gradients` (v2 also `accumulate_steps`).
+            `comm_overlap`, `accumulate_steps`, `release_gradients`, `free_grads_in_comm`, and
+            `strategy.hybrid_configs["pp_degree"]`.
         grad_clip: None or a `grad_clip.ClipGradByGlobalNorm`, run in `step()` on the owned,
             reduced grads (Paddle passes it as the inner optimizer's `grad_clip`); then `hcg`
             also needs `get_pipe_parallel_{group,world_size}()`.
     `_param2rank` maps each param (by identity; Paddle: by name) to its owner's sharding rank.
     Call `step()` after backward, then `clear_grad()` / `zero_grad()` before the next step.
-    Raises ValueError for a param with no elements or an unsupported config, at `step()` (on
-    every rank) for no grad on any rank, a closure or a GradScaler, and from
-    `add_param_group` as it says; RuntimeError for a second `step()` without clearing the
-    grads in between; TypeError for a grad_clip of another type.
+    With `sharding_configs.comm_overlap` (no pipeline), `_comm_buffers` holds one REDUCE
+    buffer per owner and bucket, hooked to the params, so the reduce to the owner fires in the
+    last of `accumulate_steps` backward passes (scale the loss by 1/accumulate_steps); without
+    it, `step()` reduces grad by grad. With free_grads_in_comm, a rank drops the grads it does
+    not own once they are reduced (their buffer, or the grads themselves).
+    Raises ValueError for a param with no elements or an unsupported config (comm_overlap
+    with a pipeline, free_grads_in_comm without release), at `step()` (on every rank) for no
+    grad on any rank, a closure or a GradScaler, with comm_overlap for a bucket not reduced on
+    every rank or a backward pass too many, and from `add_param_group` as it says;
+    RuntimeError for a second `step()` without clearing the grads in between; TypeError for a
+    grad_clip of another type.
     """
 
     def __init__(self, optimizer, hcg, strategy, grad_clip=None):
@@ -210,6 +223,13 @@ class DygraphShardingOptimizer(_Sharding):
         self._zeroed = {}  # param id -> (grad id, grad _version) right after clear_grad zeroed
         self._inner_opt = MixPrecisionOptimizer(optimizer, owned)
         self._expose(self._inner_opt)
+        self._comm_buffers = []
+        if self.comm_overlap:
+            self._build_owner_buffers(
+                strategy.hybrid_configs["sharding_configs"].accumulate_steps)
+
+    def _own_buffers(self):
+        return self._comm_buffers
 
     def _partition_parameters(self, params=None):
         """Largest first, each to the rank with the fewest elements so far (ties: lowest).
@@ -243,6 +263,9 @@ class DygraphShardingOptimizer(_Sharding):
         """
         if self.pp_overlap:
             return
+        if self.comm_overlap:  # the hooks issued the reduces during backward
+            self._wait_own_buffers(self._comm_buffers)
+            return
         works = []
         for p in parameter_list:
             g = _grad(p)
@@ -252,6 +275,10 @@ class DygraphShardingOptimizer(_Sharding):
                 works.append(dist.reduce(g, dst=dst, group=self._group, async_op=True))
         for work in works:
             work.wait()
+        if self._free_grads_in_comm:  # [later]: what this rank does not own is not read
+            for p in parameter_list:
+                if self._param2rank[p] != self._rank:
+                    _clear(p, set_to_zero=False)
 
     def add_param_group(self, param_group):
         """torch's `add_param_group` through sharding: the new params get owners (largest
@@ -305,15 +332,20 @@ class DygraphShardingOptimizer(_Sharding):
     def clear_grad(self, set_to_zero=True):
         """Zero every grad / main_grad in place, or drop them (`set_to_zero=False`).
 
-        Beyond Paddle's v1: while the pipeline's fused buffers hold the grads (sharding comm
-        overlap) and release is off, dropping them would detach them from the buffer, so
-        `set_to_zero=False` raises ValueError as v2 does.
+        Beyond Paddle's v1: while fused buffers (the pipeline's, or its own with comm_overlap)
+        hold the grads and release is off, dropping them would detach them from the buffer, so
+        `set_to_zero=False` raises ValueError as v2 does. With release and comm_overlap, its
+        own buffers are freed here, as v2's are.
         """
-        if not set_to_zero and self.pp_overlap and not self._buffers_released:
+        if (not set_to_zero and (self.pp_overlap or self.comm_overlap)
+                and not self._buffers_released):
             raise ValueError(_ERASE_MSG)
         self._reduced = False
         for p in self._parameter_list:
             _clear(p, set_to_zero)
+        if self.pp_release_grads:
+            for comm_buffer in self._comm_buffers:
+                comm_buffer._clear_grad_storage()
         # Beyond Paddle: a grad zeroed here and still untouched at step() is no grad (v2's
         # grads are buffer views, never None, and v2 must not step them: same rule here).
         self._zeroed = {id(p): (id(g), g._version) for p in self._parameter_list
@@ -322,6 +354,8 @@ class DygraphShardingOptimizer(_Sharding):
     def _has_grad(self):
         """Per param: this rank has a grad that backward (or the user) wrote since the last
         clear_grad (in-place accumulation bumps the grad's `_version`)."""
+        if self.pp_overlap and self._free_grads_in_comm:  # went with the freed buffers
+            return [p.requires_grad for p in self._parameter_list]
         return [(g := _grad(p)) is not None and self._zeroed.get(id(p)) != (id(g), g._version)
                 for p in self._parameter_list]
 
@@ -341,18 +375,26 @@ class DygraphShardingOptimizerV2(_Sharding):
     (at construction); the inner optimizer steps `_slice_params[param]`, a 1-D view of this
     rank's piece of it (empty until the first step). The REDUCE_SCATTER buffers are its own
     (`_build_comm_buffers`) or, with pp_configs.sharding_comm_overlap, the pipeline's (found
-    through `param.comm_buffer_ref`). Its own buffers have no hooks: with release off, backward
-    accumulates straight into their views; with release on, `reduce_gradients` copies the grads
-    in at `step()` (so `sharding_configs.accumulate_steps` only matters with hooks).
-    Raises ValueError for `clear_grad(set_to_zero=False)` with release off, and at `step()`
-    (on every rank) for no grad on any rank or state changed behind its back since it was
-    built (`_misuse_rules`); RuntimeError if `step()` finds no buffers or runs twice without
-    clearing the grads in between; TypeError for a grad_clip of another type. `grad_clip`
-    clips the slice grads without their padding.
+    through `param.comm_buffer_ref`). With `sharding_configs.comm_overlap` (no pipeline) its
+    own buffers are hooked to the params, so grads land in the buffer at their first check-in
+    and the reduce-scatter fires in the last of `accumulate_steps` backward passes. Without
+    hooks, backward accumulates straight into their views (release off) or `reduce_gradients`
+    copies the grads in at `step()` (release on). With free_grads_in_comm each buffer keeps
+    only this rank's shard once reduced (see `FusedCommBuffer`); the params' grads are dropped.
+    Raises ValueError for `clear_grad(set_to_zero=False)` with release off, at `step()` (on
+    every rank) for no grad on any rank or state changed behind its back since it was built
+    (`_misuse_rules`), and with comm_overlap as v1 does; RuntimeError if `step()` finds no
+    buffers or runs twice without clearing the grads in between; TypeError for a
+    grad_clip of another type. `grad_clip` clips the slice grads without their padding.
     """
 
     def __init__(self, optimizer, hcg, strategy, grad_clip=None):
         self._setup(optimizer, hcg, strategy)
+        if self._free_grads_in_comm and strategy.hybrid_configs["pp_configs"].delay_scale_loss:
+            raise ValueError("sharding_configs.free_grads_in_comm with split_param drops the "
+                             "params' grads after the reduce-scatter, so the pipeline's "
+                             "delay_scale_loss (which scales them) would miss the shards the "
+                             "optimizer reads; turn one of them off")
         self._grad_clip = _check_grad_clip(grad_clip)
         self._slice_params = {p: torch.nn.Parameter(p.new_empty(0), p.requires_grad)
                               for p in self._parameter_list}
@@ -385,8 +427,14 @@ class DygraphShardingOptimizerV2(_Sharding):
         for idx, bucket in assign_group_by_size(params, group_size).items():
             buffer = FusedCommBuffer(idx, bucket, self._group, acc_steps,
                                      act=HOOK_ACTION.REDUCE_SCATTER,
-                                     release_grads=self.pp_release_grads)
+                                     release_grads=self.pp_release_grads,
+                                     free_grads_in_comm=self._free_grads_in_comm)
             self._comm_buffer_list.append(buffer)
+        if self.comm_overlap:  # Paddle's register_reduce_overlap_hook(use_comm=True)
+            self._register_own_hooks(self._comm_buffer_list)
+
+    def _own_buffers(self):
+        return self._comm_buffer_list
 
     @torch.no_grad()
     def clear_grad(self, set_to_zero=True):
@@ -435,6 +483,9 @@ class DygraphShardingOptimizerV2(_Sharding):
         """
         if self.pp_overlap:  # the pipeline's hooks reduce-scattered and scaled them
             return  # (Paddle: HybridParallelOptimizer does not call this then; see v1)
+        if self.comm_overlap:  # the hooks issued the reduce-scatters during backward
+            self._wait_own_buffers(self._comm_buffer_list)
+            return
         for comm_buffer in self._comm_buffer_list:
             if self.pp_release_grads and comm_buffer.grad_storage is None:
                 for param in comm_buffer.params:
@@ -502,6 +553,8 @@ class DygraphShardingOptimizerV2(_Sharding):
 
     def _has_grad(self):
         """Per param: this rank produced a grad since the last clear_grad."""
+        if self.pp_overlap and self._free_grads_in_comm:  # every param checked in, and
+            return [p.requires_grad for p in self._parameter_list]  # its grad went after
         if self.pp_overlap:
             return [_grad(p) is not None for p in self._parameter_list]
         linked = set()  # ids of params whose grad is still its slot's view (release off)

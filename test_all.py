@@ -27,7 +27,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import comm_buffer
-from checks import checkpoints, clipping, contract, fused_buffer, interleave, pipe, zero
+from checks import (checkpoints, clipping, contract, fused_buffer, interleave, pipe,
+                    sharding_overlap, zero)
 from grad_clip import ClipGradByGlobalNorm
 from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch, live_grad_bytes)
 
@@ -267,6 +268,26 @@ def test_sharding_scheduler_and_state(ranks):
 def test_sharding_main_grad(ranks):
     """Check bf16 params with fp32 main grads and masters, v1 and v2, release on == off."""
     ranks(2).run(zero.main_grad)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharding_free_grads_in_comm(ranks, world):
+    """Check free_grads_in_comm (v1, v2, own overlap, acc 1 and 4) frees what a rank will not
+    read right after each bucket's collective, keeps what it reads, and equals release off."""
+    ranks(world).run(sharding_overlap.free_in_comm)
+
+
+def test_pipeline_sharding_free_grads_in_comm(ranks):
+    """Check free_grads_in_comm on the pipeline's buffers (pp 2 x sharding 2, v1, v2, acc 1
+    and 4) frees the unread part right after each collective and equals release off."""
+    ranks(4).run(sharding_overlap.free_in_comm_pipeline)
+
+
+def test_sharding_own_comm_overlap(ranks):
+    """Check sharding's own comm overlap (v1, v2, acc 1 and 4, release off and on) equals one
+    process, allocates once per bucket per step and copies nothing at step(), and raises on
+    every rank for an unused param or a wrong number of backward passes."""
+    ranks(2).run(sharding_overlap.own_overlap)
 
 
 def test_sharding_checkpoint_across_world_sizes(ranks, tmp_path):
@@ -510,8 +531,11 @@ def test_config_errors():
         HybridStrategy(pp_degree=2, sharding_degree=2).check_world_size(2)
     with pytest.raises(ValueError, match="enable_timer is not implemented"):
         PpConfig(enable_timer=True)
-    with pytest.raises(ValueError, match="comm_overlap is not implemented"):
-        DygraphShardingConfig(comm_overlap=True)
+    with pytest.raises(ValueError, match="comm_overlap is sharding's own overlap without a "):
+        HybridStrategy(pp_degree=2, sharding_configs=DygraphShardingConfig(comm_overlap=True))
+    with pytest.raises(ValueError, match="free_grads_in_comm needs release"):
+        HybridStrategy(sharding_configs=DygraphShardingConfig(free_grads_in_comm=True))
+    assert DygraphShardingConfig().free_grads_in_comm is False
     # Paddle's proto defaults: release is opt-in on both sides
     assert PpConfig().release_gradients is False
     assert DygraphShardingConfig().release_gradients is False

@@ -1,0 +1,338 @@
+"""Rank-side checks of sharding's own comm overlap and of free_grads_in_comm (v1 and v2)."""
+import copy
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import comm_buffer
+from comm_buffer import HOOK_ACTION, FusedCommBuffer
+from pipeline import PipelineParallel
+from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig
+from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
+from checks.common import (OPTIMIZERS, PIPE_SIZES, _data, _io, _mlp, _mse, _oracle,
+                           _pipe_layers, _released, _same_on_all)
+
+
+class _SmallBucketsV2(DygraphShardingOptimizerV2):
+    """v2 with 512-byte buckets, so that a small model spreads over several buckets."""
+
+    def _build_comm_buffers(self, acc_steps, group_size=None):
+        super()._build_comm_buffers(acc_steps, group_size=512)
+
+
+_CLASSES = {1: DygraphShardingOptimizer, 2: _SmallBucketsV2}
+
+
+def _own_strategy(sharding, acc, release, free=False, overlap=True):
+    return HybridStrategy(
+        sharding_degree=sharding,
+        pp_configs=PpConfig(release_gradients=release),
+        sharding_configs=DygraphShardingConfig(split_param=False, accumulate_steps=acc,
+                                               comm_overlap=overlap, free_grads_in_comm=free))
+
+
+def _read_part(buf, rank):
+    """What this rank reads of `buf` after its collective: v2 its shard, v1 the owner all."""
+    if buf._act == HOOK_ACTION.REDUCE_SCATTER:
+        shard = buf.buffer_size // buf._nranks
+        if buf.grad_storage.numel() == shard:  # freed in comm: only the shard is left
+            return buf.grad_storage
+        return buf.grad_storage[rank * shard : (rank + 1) * shard]
+    return buf.grad_storage if dist.get_rank() == buf._dst else None
+
+
+def _watch(buf, record, free):
+    """Wrap `buf.scale_grads` (this instance): record the read part right after the collective
+    and, with free, check that the rest is dead and the read part is a storage of its own."""
+    original = buf.scale_grads
+
+    def scale_grads():
+        full = weakref.ref(buf.grad_storage)
+        grads = [weakref.ref(comm_buffer.main_grad_or_grad(p)) for p in buf.params]
+        muls, scaled = {name: getattr(torch.Tensor, name) for name in ("mul_", "__mul__")}, []
+
+        def counting(name):
+            def mul(tensor, *args):
+                scaled.append(tensor.numel())
+                return muls[name](tensor, *args)
+            return mul
+
+        for name in muls:
+            setattr(torch.Tensor, name, counting(name))
+        try:
+            original()
+        finally:
+            for name, fn in muls.items():
+                setattr(torch.Tensor, name, fn)
+        part = _read_part(buf, buf._comm_group_rank)
+        record.append(None if part is None else part.clone())
+        # only what this rank reads is scaled (Paddle scales the whole buffer)
+        assert scaled == ([] if part is None else [part.numel()]), scaled
+        if not free:
+            return
+        if part is None:  # v1, not the owner: nothing of the bucket is left
+            assert buf.grad_storage is None and _released(full, *grads), \
+                "a non-owner still holds the reduced bucket"
+        elif buf._act == HOOK_ACTION.REDUCE:  # v1, the owner: everything stays
+            assert buf.grad_storage is full() and all(g() is not None for g in grads)
+        else:  # v2: only the shard, a storage of its own that the slice grads view
+            assert _released(full, *grads), "the full buffer outlived the reduce-scatter"
+            assert part.untyped_storage().nbytes() == part.numel() * part.element_size()
+            base = part.untyped_storage().data_ptr()
+            views = buf._sharding_param_grad_view.values()
+            assert all(v._slice_grad.untyped_storage().data_ptr() == base
+                       for v in views if v._has_local)
+
+    buf.scale_grads = scale_grads
+    buf._comm_group_rank = dist.get_rank(buf._comm_group)
+
+
+def _train_own(hcg, version, strategy, steps=3, batch=24, watch=None, free=False,
+               counts=None):
+    """No pipeline: each sharding rank trains on its slice of the batch in `acc` micro-batches;
+    returns the params after each step. With free and v1 without overlap, checks after each
+    step() that only the owned params kept their grads."""
+    group_rank, nranks = dist.get_rank(), dist.get_world_size()
+    acc = strategy.sharding_configs.accumulate_steps
+    overlap = strategy.sharding_configs.comm_overlap
+    model = _mlp([6, 16, 4])
+    opt = _CLASSES[version](OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
+    buffers = opt._own_buffers()
+    if watch is not None:
+        for buf in buffers:
+            _watch(buf, watch, free)
+    traj = []
+    for step in range(steps):
+        x, y = (t.chunk(nranks)[group_rank] for t in _data(step, batch, *_io(model)))
+        for k, (xb, yb) in enumerate(zip(x.chunk(acc), y.chunk(acc))):
+            assert all(b._task is None for b in buffers), "a collective fired too early"
+            (F.mse_loss(model(xb), yb) / acc).backward()
+        assert all((b._task is not None) == overlap for b in buffers), "no collective issued"
+        if counts is not None:
+            with _counting(counts, buffers):
+                opt.step()
+        else:
+            opt.step()
+        if free and version == 1 and not overlap:
+            owned = [opt._param2rank[p] == group_rank for p in model.parameters()]
+            assert [p.grad is not None for p in model.parameters()] == owned
+        opt.zero_grad(set_to_none=strategy.pp_configs.release_gradients)
+        traj.append([p.detach().clone() for p in model.parameters()])
+    return traj, model, opt
+
+
+class _counting:
+    """Count torch.zeros of a bucket's size and _copy_grad_to_buffer calls inside the block."""
+
+    def __init__(self, counts, buffers):
+        self.counts, self.sizes = counts, {b.buffer_size for b in buffers}
+
+    def __enter__(self):
+        self.zeros, self.copy = torch.zeros, FusedCommBuffer._copy_grad_to_buffer
+        counts, sizes, zeros, copy_ = self.counts, self.sizes, self.zeros, self.copy
+
+        def counting_zeros(*args, **kwargs):
+            if args and args[0] in sizes:
+                counts["zeros"] += 1
+            return zeros(*args, **kwargs)
+
+        def counting_copy(buf, param):
+            counts["copies"] += 1
+            return copy_(buf, param)
+
+        torch.zeros, FusedCommBuffer._copy_grad_to_buffer = counting_zeros, counting_copy
+
+    def __exit__(self, *exc):
+        torch.zeros, FusedCommBuffer._copy_grad_to_buffer = self.zeros, self.copy
+
+
+def own_overlap(rank, world):
+    """Sharding's own comm overlap without a pipeline, v1 and v2, acc 1 and 4, release off
+    and on: equal to one process, release on == off bitwise; with release one allocation per
+    bucket per step, during backward, and no copy at step(); misuse raises on every rank."""
+    hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
+    for version in (1, 2):
+        for acc in (1, 4):
+            oracle = _oracle(lambda: _mlp([6, 16, 4]), "adam", 3, 24)
+            trajs = {}
+            for release in (False, True):
+                st = _own_strategy(world, acc, release)
+                counts = {"zeros": 0, "copies": 0}
+                model_counts = counts if release else None
+                trajs[release], model, opt = _train_own(hcg, version, st, counts=model_counts)
+                if release:
+                    assert counts == {"zeros": 0, "copies": 0}, counts
+                for got, want in zip(trajs[release], oracle):
+                    for g, w in zip(got, want):
+                        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+                    assert _same_on_all(got)
+            for off, on in zip(trajs[False], trajs[True]):
+                assert all(torch.equal(a, b) for a, b in zip(off, on))
+        _check_one_allocation_per_bucket(hcg, version, world)
+        _check_own_overlap_misuse(hcg, version, world)
+    _check_config_errors(hcg, world)
+    return "ok"
+
+
+def _check_one_allocation_per_bucket(hcg, version, world):
+    """Release on, acc 2: per step each bucket allocates its buffer once, at its first
+    check-in in the first backward; step() neither allocates nor copies."""
+    st = _own_strategy(world, 2, True)
+    model = _mlp([6, 16, 4])
+    opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+    buffers = opt._own_buffers()
+    assert len(buffers) >= 2
+    for step in range(3):
+        x, y = _data(step, 8, 6, 4)
+        for k, (xb, yb) in enumerate(zip(x.chunk(2), y.chunk(2))):
+            counts = {"zeros": 0, "copies": 0}
+            with _counting(counts, buffers):
+                (F.mse_loss(model(xb), yb) / 2).backward()
+            n_params = sum(len(b.params) for b in buffers)
+            first = k == 0
+            assert counts == {"zeros": len(buffers) if first else 0,
+                              "copies": n_params if first else 0}, (k, counts)
+        counts = {"zeros": 0, "copies": 0}
+        with _counting(counts, buffers):
+            opt.step()
+        assert counts == {"zeros": 0, "copies": 0}, counts
+        opt.zero_grad()
+        assert all(b.grad_storage is None for b in buffers)
+
+
+def _check_own_overlap_misuse(hcg, version, world):
+    """An unused param, too few and too many backward passes: ValueError on every rank, and
+    the group is still usable afterwards (nothing left in flight)."""
+    for release in (False, True):
+        st = _own_strategy(world, 2, release)
+        model = nn.ModuleList([_mlp([6, 16, 4]), nn.Linear(3, 3)])  # [1] is never called
+        opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+        x, y = _data(0, 8, 6, 4)
+        for _ in range(2):
+            F.mse_loss(model[0](x), y).backward()
+        with pytest.raises(ValueError, match="not issued on every rank.*accumulate_steps=2"):
+            opt.step()
+        assert _same_on_all([torch.ones(3)])
+
+        model = _mlp([6, 16, 4])
+        opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+        F.mse_loss(model(x), y).backward()  # 1 of 2 micro-batches
+        with pytest.raises(ValueError, match="not issued on every rank"):
+            opt.step()
+        opt.zero_grad(set_to_none=release)
+        for _ in range(2):
+            F.mse_loss(model(x), y).backward()
+        with pytest.raises(ValueError, match="accumulate_steps=2, but a backward pass ran"):
+            F.mse_loss(model(x), y).backward()  # a third one
+        assert _same_on_all([torch.ones(3)])
+
+
+def _check_config_errors(hcg, world):
+    with pytest.raises(ValueError, match="free_grads_in_comm needs release"):
+        HybridStrategy(sharding_configs=DygraphShardingConfig(free_grads_in_comm=True))
+    with pytest.raises(ValueError, match="comm_overlap is sharding's own overlap"):
+        HybridStrategy(pp_degree=2, sharding_configs=DygraphShardingConfig(comm_overlap=True))
+    for version in (1, 2):
+        st = _own_strategy(world, 1, True, free=True)
+        st.pp_configs.release_gradients = False  # past HybridStrategy's own check
+        with pytest.raises(ValueError, match="free_grads_in_comm needs release"):
+            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, st)
+        st = _own_strategy(world, 1, True)
+        st.pp_configs.sharding_comm_overlap = True
+        with pytest.raises(ValueError, match="cannot both be on"):
+            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, st)
+        st = _own_strategy(world, 1, True)
+        st.pp_degree = 2
+        with pytest.raises(ValueError, match="comm_overlap needs pp_degree 1, got 2"):
+            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, st)
+    st = _own_strategy(world, 1, True, free=True, overlap=False)
+    st.pp_configs.delay_scale_loss = True
+    with pytest.raises(ValueError, match="delay_scale_loss .* would miss the shards"):
+        _CLASSES[2](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, st)
+    params = [nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match="needs release_grads=True"):
+        FusedCommBuffer(0, params, None, act=HOOK_ACTION.REDUCE_SCATTER,
+                        free_grads_in_comm=True)
+    with pytest.raises(ValueError, match="nothing to free with act=ALL_REDUCE"):
+        FusedCommBuffer(0, params, None, act=HOOK_ACTION.ALL_REDUCE, release_grads=True,
+                        free_grads_in_comm=True)
+
+
+def free_in_comm(rank, world):
+    """No pipeline, v1 and v2, own overlap with acc 1 and 4 and, acc 1, the path without it
+    (reduce at step()), 3 steps each: release + free_grads_in_comm
+    gives params bitwise equal to release off; right after each bucket's collective the part
+    this rank will not read is dead and the part it reads is alive and bitwise as with
+    release off."""
+    hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
+    for version in (1, 2):
+        for acc, overlap in ((1, True), (4, True), (1, False)):  # without: step() reduces
+            parts, trajs = {}, {}
+            for free in (False, True):
+                parts[free] = []
+                st = _own_strategy(world, acc, release=free, free=free, overlap=overlap)
+                trajs[free], _, _ = _train_own(hcg, version, st, watch=parts[free], free=free)
+            _assert_same_runs(parts, trajs, buckets=overlap or version == 2)
+    return "ok"
+
+
+def _assert_same_runs(parts, trajs, buckets=True):
+    assert len(parts[False]) == len(parts[True]) and (len(parts[True]) > 0) == buckets
+    for a, b in zip(parts[False], parts[True]):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    assert any(a is not None for a in parts[True]) == buckets
+    for off, on in zip(trajs[False], trajs[True]):
+        assert all(torch.equal(a, b) for a, b in zip(off, on))
+
+
+def free_in_comm_pipeline(rank, world):
+    """pp 2 x sharding 2, pipeline sharding comm overlap, v1 and v2, acc 1 and 4: the same
+    checks as `free_in_comm`, on the pipeline's buffers."""
+    hcg = None
+    for version in (1, 2):
+        for acc in (1, 4):
+            parts, trajs = {}, {}
+            for free in (False, True):
+                parts[free] = []
+                st = HybridStrategy(
+                    pp_degree=2, sharding_degree=2, accumulate_steps=acc,
+                    pp_configs=PpConfig(release_gradients=free, sharding_comm_overlap=True),
+                    sharding_configs=DygraphShardingConfig(split_param=version == 2,
+                                                           free_grads_in_comm=free))
+                hcg = hcg or HybridCommunicateGroup(st)
+                trajs[free] = _train_pipe(hcg, version, st, parts[free], free)
+            _assert_same_runs(parts, trajs)
+    return "ok"
+
+
+def _train_pipe(hcg, version, strategy, record, free, steps=3, mbs=2):
+    model = PipelineParallel(_pipe_layers(), hcg, strategy, _mse)
+    cls = DygraphShardingOptimizerV2 if version == 2 else DygraphShardingOptimizer
+    opt = cls(OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
+    acc, replica = strategy.accumulate_steps, hcg.get_sharding_parallel_rank()
+    if free:  # at the optimizer step the freed grads are still gone (v2: all params' grads,
+        inner_step = opt._inner_opt.step  # v1: those this rank does not own)
+
+        def checked_step(*args, **kwargs):
+            assert all(comm_buffer.main_grad_or_grad(p) is None for p in model.parameters()
+                       if version == 2 or opt._param2rank[p] != replica), "freed grads are back"
+            return inner_step(*args, **kwargs)
+
+        opt._inner_opt.step = checked_step
+    traj = []
+    for step in range(steps):
+        x, y = (t.chunk(2)[replica]
+                for t in _data(step, 2 * acc * mbs, PIPE_SIZES[0], PIPE_SIZES[-1]))
+        model._prepare_training(opt, None)
+        for buf in [b for bs in model._chunk_2_comm_buffers.values() for b in bs]:
+            if not hasattr(buf, "_comm_group_rank"):
+                _watch(buf, record, free)
+        model.train()
+        model.forward_backward_pipeline((x, y))
+        model._optimizer_step()
+        traj.append([p.detach().clone() for p in model.parameters()])
+    return traj
