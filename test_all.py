@@ -381,6 +381,12 @@ def test_contract_grad_scaler(ranks):
     ranks(2).run(contract.grad_scaler)
 
 
+def test_contract_stateful_template(ranks):
+    """Check a torch optimizer that already has state is refused when wrapped (on every rank),
+    a plain torch state_dict loads into MixPrecisionOptimizer, v2 refuses Adafactor."""
+    ranks(2).run(contract.stateful_template)
+
+
 # ---------------------------------------------------------------- pipeline.py
 
 @pytest.mark.parametrize("version", [1, 2])
