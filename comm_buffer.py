@@ -84,8 +84,11 @@ def assign_group_by_size(params, group_size=128 * 1024 * 1024):
     return OrderedDict((k, [params[i] for i in idx]) for k, idx in enumerate(closed))
 
 
-def bw_hook_func(buffer, param):
+def bw_hook_func(buffer, param, use_comm=True):
     """Hook for `param.register_post_accumulate_grad_hook`: check the param in to `buffer`.
+
+    `use_comm=False` only checks in (`add_grad(param, use_comm=False)`): the caller issues the
+    collective (the interleaved pipeline's `_overlap_comm_grads`).
 
     Paddle registers it with `param._register_backward_hook`, which, like torch's post-accumulate
     hook, runs after this micro-batch's grad has been accumulated into `param.grad`. Differs from
@@ -102,7 +105,7 @@ def bw_hook_func(buffer, param):
         if buffer is None:
             raise RuntimeError("a grad hook outlived its FusedCommBuffer; keep the buffers "
                                "(e.g. the pipeline's _chunk_2_comm_buffers) alive while training")
-        buffer.add_grad(param)
+        buffer.add_grad(param, use_comm=use_comm)
 
     return fused_comm
 

@@ -15,10 +15,11 @@ schedule every buffer is waited and scaled. `_optimizer_step` then steps and, wi
 Phases of a step: warm-up -> steady 1F1B -> cool-down -> wait and scale -> step -> release.
 
 Weights tied across stages (`shared_weights`, Paddle's SharedLayerDesc) live in
-`shared_weights/`; global-norm clipping (`grad_clip`) in `grad_clip/`.
+`shared_weights/`; global-norm clipping (`grad_clip`) in `grad_clip/`. The interleaved
+schedule (virtual stages, several model chunks per rank) is the subclass
+`PipelineParallelWithInterleave` in `pipeline_schedules/interleave.py`.
 
-Leaves out: the interleaved (virtual stage) schedule, AMP scaler, timers,
-freeing sent activations early (Paddle's `_release_output`).
+Leaves out: AMP scaler, timers, freeing sent activations early (Paddle's `_release_output`).
 
 References: Paddle PRs #59739, #58441; Narayanan et al., "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM" (2021); Harlap et al., "PipeDream" (2018).
@@ -30,13 +31,28 @@ import torch.distributed as dist
 from torch import nn
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, assign_group_by_size,
-                         global_rank, main_grad_or_grad as _grad)
+                         bw_hook_func, global_rank, main_grad_or_grad as _grad)
 from grad_clip import ClipGradByGlobalNorm, norm_groups
 from optim_wrappers.grad_agreement import agreed_all_reduce_mean
 from shared_weights import SharedWeights
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
+
+
+def _cut_layers(layers, seg_boundaries, parts):
+    """`parts + 1` rising boundaries over `layers`; default an even split by count."""
+    bounds = seg_boundaries or [len(layers) * i // parts for i in range(parts + 1)]
+    if (len(bounds) != parts + 1 or bounds[0] != 0 or bounds[-1] != len(layers)
+            or any(a > b for a, b in zip(bounds, bounds[1:]))):
+        raise ValueError(f"seg_boundaries must rise from 0 to len(layers)={len(layers)} "
+                         f"in {parts + 1} entries; got {bounds}")
+    return bounds
+
+
+def _build_segment(layers):
+    """`nn.Sequential` of `layers`; a zero-argument callable (LayerDesc) is called here."""
+    return nn.Sequential(*[l if isinstance(l, nn.Module) else l() for l in layers])
 
 
 def _clear_grad(optimizer, set_to_zero):
@@ -66,9 +82,10 @@ class PipelineParallel(nn.Module):
             the holding stages after the schedule, before any dp / sharding collective reads
             them (with comm overlap, their buckets wait for that sum), so they stay equal;
             see `shared_weights.SharedWeights` for the rules and the errors it raises.
-    Raises ValueError for boundaries that do not cover the layers or an overlap config that
+    Raises ValueError for boundaries that do not cover the layers, an overlap config that
     breaks Paddle's rules (dp_comm_overlap needs dp > 1 and pp > 1, sharding_comm_overlap
-    needs sharding > 1 and pp > 1, not both).
+    needs sharding > 1 and pp > 1, not both), or pp_configs.num_virtual_pipeline_stages > 1
+    (that is `PipelineParallelWithInterleave`).
     """
 
     def __init__(self, layers, hcg, strategy, loss_fn, seg_boundaries=None,
@@ -87,27 +104,22 @@ class PipelineParallel(nn.Module):
         self._release_gradients = strategy.hybrid_configs["pp_configs"].release_gradients
         self._sharding_split_param = strategy.hybrid_configs["sharding_configs"].split_param
         self._check_overlap_config(hcg)
+        # Before any communication, so that a bad config raises on every rank alike.
+        self._check_virtual_stages(getattr(pp_configs, "num_virtual_pipeline_stages", 1))
         self._comm_overlap = self._dp_comm_overlap or self._sharding_comm_overlap
-
-        layers = list(layers)
-        bounds = seg_boundaries or [len(layers) * s // self.num_stages
-                                    for s in range(self.num_stages + 1)]
-        if (len(bounds) != self.num_stages + 1 or bounds[0] != 0 or bounds[-1] != len(layers)
-                or any(a > b for a, b in zip(bounds, bounds[1:]))):
-            raise ValueError(f"seg_boundaries must rise from 0 to len(layers)={len(layers)} "
-                             f"in {self.num_stages + 1} entries; got {bounds}")
-        own = layers[bounds[self.stage_id] : bounds[self.stage_id + 1]]
-        self._layers = nn.Sequential(*[l if isinstance(l, nn.Module) else l() for l in own])
+        self._layers, bounds = self._build_layers(list(layers), seg_boundaries)
 
         self._chunk_2_comm_buffers = defaultdict(list)
         self._sharding_hooks_registered = False
         self.optimizer = self.lr_scheduler = None
-        self.schedule_trace = []  # ("F" | "B", micro-batch) in the order run: for tests
+        # ("F" | "B", micro-batch) in the order run, for tests; the interleaved schedule adds
+        # the chunk: ("F" | "B", micro-batch, chunk)
+        self.schedule_trace = []
         # With nccl, the first call on the group that batch_isend_irecv uses must involve all
         # its ranks (torch's rule for P2POp); a tiny all-reduce does that on every backend.
         dist.all_reduce(torch.zeros(1, device=self._device()),
                         group=hcg.get_pipe_parallel_group())
-        self._shared = SharedWeights(self._layers, hcg, shared_weights, bounds, self._device())
+        self._shared = self._shared_weights(shared_weights, bounds)
         self._grad_clip = None
         self._grads_pending = False  # a schedule ran and no _optimizer_step since
         if self._dp_comm_overlap:
@@ -128,6 +140,21 @@ class PipelineParallel(nn.Module):
                              f"pp_degree > 1; got sharding_degree={sharding}, pp_degree={pp}; "
                              "turn it off")
 
+    def _check_virtual_stages(self, num_virtual_stages):
+        if num_virtual_stages != 1:
+            raise ValueError(f"pp_configs.num_virtual_pipeline_stages={num_virtual_stages} "
+                             "needs the interleaved schedule: build PipelineParallelWithInterleave"
+                             " (pipeline_schedules.interleave); PipelineParallel runs 1 chunk")
+
+    def _shared_weights(self, shared_weights, bounds):
+        return SharedWeights(self._layers, self._hcg, shared_weights, bounds, self._device())
+
+    def _build_layers(self, layers, seg_boundaries):
+        """This stage's `nn.Sequential` of `layers[b[s]:b[s+1]]`, built from LayerDescs, and
+        the boundaries b."""
+        bounds = _cut_layers(layers, seg_boundaries, self.num_stages)
+        return _build_segment(layers[bounds[self.stage_id] : bounds[self.stage_id + 1]]), bounds
+
     def forward(self, x):
         """This stage's layers on `x` (no communication)."""
         return self._layers(x)
@@ -139,12 +166,14 @@ class PipelineParallel(nn.Module):
         """Build `FusedCommBuffer`s for `model`'s trainable params and hook them to `add_grad`.
 
         Action: ALL_REDUCE for dp; REDUCE to each param's owner (`param2rank`, sharding v1,
-        buckets grouped by owner); REDUCE_SCATTER with split_param (v2). Buckets go to
-        `_chunk_2_comm_buffers[chunk]` (one chunk per stage here: no virtual stages).
+        buckets grouped by owner); REDUCE_SCATTER with split_param (v2). `model` is one chunk,
+        or an `nn.ModuleList` of this rank's chunks (virtual stages, as Paddle's
+        `get_model_chunks()`); chunk i's buckets go to `_chunk_2_comm_buffers[i]`.
         """
         act = (HOOK_ACTION.ALL_REDUCE if dp else HOOK_ACTION.REDUCE_SCATTER
                if self._sharding_split_param else HOOK_ACTION.REDUCE)
-        for chunk_idx, chunk in enumerate([model]):
+        chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
+        for chunk_idx, chunk in enumerate(chunks):
             params = [p for p in chunk.parameters() if p.requires_grad]
             if not params:
                 continue  # Paddle returns from the whole loop here; we go on to the next chunk
@@ -162,8 +191,15 @@ class PipelineParallel(nn.Module):
                                              .free_grads_in_comm)  # [later], PaddleNLP #9081
                     self._chunk_2_comm_buffers[chunk_idx].append(buffer)
                     hook = self._shared.hook_func(bucket, buffer)  # a tied copy: check in only
+                    if hook is bw_hook_func:  # untied: this schedule's own hook
+                        hook = self.bw_hook_func
                     for p in bucket:
                         p.register_post_accumulate_grad_hook(hook(buffer, p))
+
+    def bw_hook_func(self, buffer, param):
+        """The hook each untied param gets (Paddle's method of this name): check in, and fire
+        the bucket's collective once all its params are in (comm_buffer.bw_hook_func)."""
+        return bw_hook_func(buffer, param)
 
     def register_sharding_comm_overlap_hook(self, optimizer):
         """Build the sharding buffers; lazily, since v1's owner map lives in the optimizer."""
@@ -330,6 +366,9 @@ class PipelineParallel(nn.Module):
         out = self._layers(x)
         if self.stage_id != self.num_stages - 1:
             return out
+        return self._loss_of(out, label)
+
+    def _loss_of(self, out, label):
         loss = self._loss_fn(out, label).float()
         if not self._delay_scale_loss:
             loss = loss / self.accumulate_steps  # the one 1/acc scaling of the loss

@@ -48,11 +48,19 @@ class PpConfig:
     sharding_comm_overlap: bool = False  # 4: sharding reduce(-scatter) during backward
     profiling: bool = False  # 5: Paddle's profiler hooks; not implemented, must be False
     release_gradients: bool = False  # 6, the seed's new field: free grad buffers after a step
+    # Not a proto field: Paddle passes it to `PipelineLayer(num_virtual_pipeline_stages=V)`
+    # (read back by `get_num_virtual_stages()`); our pipeline takes a plain layer list, so the
+    # strategy carries it. V > 1: model chunks per rank, for PipelineParallelWithInterleave.
+    num_virtual_pipeline_stages: int = 1
 
     def __post_init__(self):
         for name in ("enable_timer", "profiling"):
             _require(not getattr(self, name), f"pp_configs.{name} is not implemented in "
                      "relgrad; leave it False")
+        v = self.num_virtual_pipeline_stages
+        _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                 f"pp_configs.num_virtual_pipeline_stages must be an int >= 1 (model chunks "
+                 f"per pipeline rank; 1 = plain 1F1B), got {v!r}")
 
 
 @dataclass

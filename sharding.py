@@ -35,7 +35,7 @@ from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _sha
                          main_grad_or_grad as _grad)
 from grad_clip import ClipGradByGlobalNorm, norm_groups
 from optim_wrappers.grad_agreement import agree, fill_missing_grads
-from optim_wrappers.master_weights import MixPrecisionOptimizer
+from optim_wrappers.master_weights import MixPrecisionOptimizer, template_state_message
 from optim_wrappers.torch_face import _Wrapper, clear_grad_func as _clear
 from checkpoint import sharding_state
 from own_comm_overlap import _OwnOverlap
@@ -96,13 +96,38 @@ class _Sharding(_OwnOverlap, _Wrapper):
         self._dp_sync = (hcg.get_data_parallel_world_size() > 1
                          and not pp_config.dp_comm_overlap)
         self._reduced = False  # grads reduced by a step() and not cleared since
+        self._check_template(optimizer)
         self._setup_own_overlap(strategy)
+
+    def _check_template(self, optimizer):
+        """Beyond Paddle: refuse, on every rank, a template optimizer that already has state
+        (its moments would be dropped silently: the inner optimizer is built anew from it).
+        One small all-reduce, since a checkpoint may have been loaded on some ranks only."""
+        detail = f"{len(optimizer.state)} param(s) with state" if optimizer.state else None
+        agree([], [(template_state_message(type(self).__name__, optimizer), detail)],
+              self._flag_groups(), self._flags_device())
+
+    def _flag_groups(self):
+        groups = [self._group]
+        if self._hcg.get_data_parallel_world_size() > 1:
+            groups.append(self._hcg.get_data_parallel_group())
+        return groups
+
+    def _flags_device(self):
+        params = self._parameter_list
+        if params:
+            return params[0].device
+        # a stage without params: nccl still needs the flags on the GPU
+        nccl = dist.get_backend(self._group) == "nccl"
+        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def _begin_step(self):
         # Beyond Paddle: a second step() would reduce already reduced grads again.
         if self._reduced:
-            raise RuntimeError("step() ran again without clear_grad() / zero_grad() in between; "
-                               "the grads are already reduced. Clear them after each step")
+            raise RuntimeError("step() ran again without the optimizer's clear_grad() / "
+                               "zero_grad() in between, so the grads may be already reduced. "
+                               "Clear them after each step through the optimizer: "
+                               "model.zero_grad() does not reset it")
         self._reduced = True
 
     def _agree_grads(self, has_grad, rules):
@@ -112,16 +137,8 @@ class _Sharding(_OwnOverlap, _Wrapper):
         zero grad here, so that every rank issues the same reduces. Returns the agreed flags,
         one per `_parameter_list` entry. Raises ValueError if no trainable param has a grad
         on any rank (Paddle's v2 fails there too; torch would silently step nothing)."""
-        groups = [self._group]
-        if self._hcg.get_data_parallel_world_size() > 1:
-            groups.append(self._hcg.get_data_parallel_group())
         params = self._parameter_list
-        if params:
-            device = params[0].device
-        else:  # a stage without params: nccl still needs the flags on the GPU
-            nccl = dist.get_backend(self._group) == "nccl"
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
-        anywhere = agree(has_grad, rules, groups, device)
+        anywhere = agree(has_grad, rules, self._flag_groups(), self._flags_device())
         if any(p.requires_grad for p in params) and not any(anywhere):
             raise ValueError(_NO_GRAD_MSG)
         if not (self.pp_overlap and self._free_grads_in_comm):  # else freed on purpose
@@ -368,6 +385,25 @@ class DygraphShardingOptimizer(_Sharding):
         self._grad_clip(pairs, norm_groups(self._hcg), self._parameter_list[0].device)
 
 
+# Optimizers whose update of an element reads only that element's grad and state: the same
+# on a flat 1-D slice as on the whole param, so v2 may step slices with them.
+_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                torch.optim.Adadelta, torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam,
+                torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop)
+
+
+def _check_elementwise(optimizer):
+    """v2 steps 1-D slices: refuse an optimizer whose update depends on the param's shape."""
+    if not isinstance(optimizer, _ELEMENTWISE):
+        raise ValueError(
+            f"sharding v2 (split_param) steps flat 1-D slices of the params, so it needs an "
+            f"element-wise optimizer ({', '.join(c.__name__ for c in _ELEMENTWISE)} or a "
+            f"subclass); got {type(optimizer).__name__}, whose update may depend on the "
+            "param's shape or on whole-tensor norms (e.g. Adafactor's factored moments, "
+            "Muon's 2-D orthogonalisation). Use sharding v1 (DygraphShardingOptimizer, whole "
+            "params) instead")
+
+
 class DygraphShardingOptimizerV2(_Sharding):
     """Sharding v2 (split_param): flat shards, reduce-scatter -> step slices -> all-gather.
 
@@ -396,6 +432,7 @@ class DygraphShardingOptimizerV2(_Sharding):
                              "delay_scale_loss (which scales them) would miss the shards the "
                              "optimizer reads; turn one of them off")
         self._grad_clip = _check_grad_clip(grad_clip)
+        _check_elementwise(optimizer)
         self._slice_params = {p: torch.nn.Parameter(p.new_empty(0), p.requires_grad)
                               for p in self._parameter_list}
         slices = [[self._slice_params[p] for p in g["params"]] for g in optimizer.param_groups]

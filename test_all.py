@@ -27,8 +27,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import comm_buffer
-from checks import (checkpoints, clipping, contract, demo_peers, fused_buffer, pipe,
-                    sharding_overlap, zero)
+from checks import (checkpoints, clipping, contract, demo_peers, fused_buffer, interleave,
+                    pipe, sharding_overlap, zero)
 from demo.memory import live_grad_bytes
 from grad_clip import ClipGradByGlobalNorm
 from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch)
@@ -382,6 +382,12 @@ def test_contract_grad_scaler(ranks):
     ranks(2).run(contract.grad_scaler)
 
 
+def test_contract_stateful_template(ranks):
+    """Check a torch optimizer that already has state is refused when wrapped (on every rank),
+    a plain torch state_dict loads into MixPrecisionOptimizer, v2 refuses Adafactor."""
+    ranks(2).run(contract.stateful_template)
+
+
 # ---------------------------------------------------------------- pipeline.py
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -432,6 +438,37 @@ def test_pipeline_loss_scaled_once(ranks):
 def test_pipeline_eval_and_errors(ranks):
     """Check eval_batch equals one process and bad batches / overlap configs raise."""
     ranks(2).run(pipe.eval_and_errors)
+
+
+# ---------------------------------------------------------------- pipeline_schedules/
+
+def test_interleave_schedule_and_errors(ranks):
+    """Check the interleaved order (pp 2, 2 virtual stages, 4 and 8 micro-batches) equals the
+    hand-written table, and a bad virtual-stage setup raises on every rank without a hang."""
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="num_virtual_pipeline_stages must be an int >= 1"):
+            PpConfig(num_virtual_pipeline_stages=bad)
+    assert PpConfig().num_virtual_pipeline_stages == 1
+    ranks(2).run(interleave.schedule_and_errors)
+
+
+def test_interleave_pp_only(ranks):
+    """Check pp 2 x 2 virtual stages (also with delay_scale_loss) trains bitwise as plain 1F1B
+    and as one process, release on == off."""
+    ranks(2).run(interleave.pp_only)
+
+
+def test_interleave_sharding_and_dp(ranks):
+    """Check 2 virtual stages with sharding v1/v2 (overlap on/off, main grad) and dp overlap:
+    equal to plain 1F1B and one process; per-chunk buffers fire after the chunk's last
+    backward, are allocated once per step and freed after it."""
+    ranks(4).run(interleave.with_sharding_and_dp)
+
+
+def test_interleave_tied_weights(ranks):
+    """Check a weight tied between chunk 0 of stage 0 and the last chunk of stage 1 (2 virtual
+    stages, sharding v1/v2, overlap on/off, clipped) stays equal and equals one process."""
+    ranks(4).run(interleave.tied_weights)
 
 
 # ---------------------------------------------------------------- grad_clip/, shared_weights/

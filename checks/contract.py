@@ -355,3 +355,38 @@ def grad_scaler(rank, world):
         assert _value(m.w) == 1.0
         assert _same_on_all([m.w])
     return "ok"
+
+
+def stateful_template(rank, world):
+    """A torch optimizer that already has state (stepped, or loaded from a checkpoint) is
+    refused when wrapped, on every rank even if only one rank has it; MixPrecisionOptimizer
+    loads a plain torch state_dict instead; v2 refuses a shape-dependent optimizer."""
+    hcg, strategy = _groups(world)
+    for kind in ("mix", V1, V2):
+        model = _Params(a=1.0, b=2.0)
+        opt = torch.optim.Adam(model.parameters(), lr=0.5)
+        if kind == "mix" or rank == 0:  # the sharding wrappers: state on rank 0 only
+            (model.a * 3 + model.b).sum().backward()
+            opt.step()
+        with pytest.raises(ValueError, match="already has state.*(2 param|seen on 1 rank)"):
+            _wrap(kind, opt, hcg, strategy)
+    # the fix the message names: a fresh optimizer, then load the saved state
+    ref = _Params(a=1.0, b=2.0)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.5)
+    model = _Params(a=1.0, b=2.0)
+    for step in range(2):
+        (ref.a * 3 + ref.b).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if step == 0:
+            saved = copy.deepcopy(ref_opt.state_dict())
+            model.load_state_dict(ref.state_dict())
+    mix = MixPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=0.5))
+    mix.load_state_dict(saved)
+    (model.a * 3 + model.b).sum().backward()
+    mix.step()
+    assert (_value(model.a), _value(model.b)) == (_value(ref.a), _value(ref.b))
+    assert mix.state_dict()["inner"]["state"][0]["step"].item() == 2
+    with pytest.raises(ValueError, match="needs an element-wise optimizer.*got Adafactor"):
+        V2(torch.optim.Adafactor(_Params(a=1.0).parameters()), hcg, strategy)
+    return "ok"

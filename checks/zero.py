@@ -157,7 +157,7 @@ def _check_unused_param(hcg, strategy):
             x, y = _data(step, 8, 6, 4)
             F.mse_loss(model[0](x), y).backward()
             opt.step()
-            with pytest.raises(RuntimeError, match="step\\(\\) ran again without clear_grad"):
+            with pytest.raises(RuntimeError, match="step\\(\\) ran again without the optimizer"):
                 opt.step()
             opt.zero_grad(set_to_none=release)
             trajs[release].append([p.detach().clone() for p in model.parameters()])

@@ -43,6 +43,9 @@ class MixPrecisionOptimizer(_Wrapper):
     """
 
     def __init__(self, optimizer, params=None):
+        if optimizer.state:  # the sharding wrappers agree on this first (_check_template)
+            raise ValueError(f"{template_state_message(type(self).__name__, optimizer)}; "
+                             f"it holds state for {len(optimizer.state)} param(s)")
         if params is None:
             params = [g["params"] for g in optimizer.param_groups]
         self._targets, self._masters = [], {}
@@ -135,6 +138,19 @@ class MixPrecisionOptimizer(_Wrapper):
     def _load_local_state_dict(self, state_dict):
         """Load what `state_dict()` returned, masters included; a target that differs from
         its loaded master at the next step (the model not loaded alike) reloads it."""
+        if "inner" not in state_dict:  # a plain torch optimizer's state_dict(), same params
+            self._inner_opt.load_state_dict(state_dict)  # masters stay the targets' values
+            return
         self._inner_opt.load_state_dict(state_dict["inner"])
         for m, saved in zip(self._masters.values(), state_dict["masters"]):
             m.data = saved.clone()
+
+
+def template_state_message(wrapper, optimizer):
+    """The error for a torch optimizer that already has state when it is wrapped."""
+    return (f"the torch optimizer handed to {wrapper} ({type(optimizer).__name__}) already has "
+            "state (it was stepped or loaded); the "
+            "wrapper uses it only as a template (class, groups, hyper-parameters) and would "
+            "drop that state. Wrap a fresh optimizer, then call "
+            "wrapper.load_state_dict(saved_optimizer_state_dict) (a plain torch state_dict "
+            "is accepted)")

@@ -23,8 +23,11 @@ every bucket is waited and scaled. Without overlap the sum runs before the optim
 reduce. Both orders put the full grad in front of the sharding / dp collective.
 Phases: build (groups, broadcast) -> backward (held check-ins) -> sum -> fire held -> scale.
 
+With virtual stages (`pipeline_schedules/interleave.py`) a rank's layers are not one range:
+the pipeline passes a `placement` (layer -> holding stage and index), the rest is the same.
+
 Leaves out: Paddle's `forward_func` (a holder's own forward: here each layer is a module whose
-forward is its own), shared layers (here: shared params), the interleaved schedule.
+forward is its own), shared layers (here: shared params).
 
 References: Paddle's pp_layers.py (`SharedLayerDesc`); Press & Wolf, "Using the Output
 Embedding to Improve Language Models" (2017).
@@ -81,26 +84,33 @@ class SharedWeights:
             stages are summed over those stages' ranks.
         bounds: the stage boundaries in the layer list (stage s holds `[b[s], b[s+1])`).
         device: the device of the collectives.
+        placement: None, or `placement(i) -> (stage, index in layers)` for layer i of the whole
+            list, where the stages do not hold contiguous ranges (virtual stages:
+            `layers` is then all of this rank's chunks in one nn.Sequential).
     Raises ValueError (on every rank, before the groups are built) for a malformed tie, a
     name that is no trainable param of its layer, or copies of different shape / dtype;
     TypeError for a tie that is not a tuple / list of str.
     """
 
-    def __init__(self, layers, hcg, shared_weights, bounds, device):
+    def __init__(self, layers, hcg, shared_weights, bounds, device, placement=None):
         self.held_buffers = []  # buckets with a tied copy: fired by allreduce_...()
         self._comm = []  # (param, group) of the ties this stage holds across stages
         self._tied = set()  # this stage's tied params, by identity
-        ties = self._parse(shared_weights or [], bounds)
+        if placement is None:
+            def placement(i):
+                s = max(s for s in range(len(bounds) - 1) if bounds[s] <= i)
+                return s, i - bounds[s]
+        ties = self._parse(shared_weights or [], bounds[-1], placement)
         if not ties:
             return
         stage = hcg.get_stage_id()
         local = {}  # tie index -> this stage's param
         for t, names in enumerate(ties):
             mine = [(i, rest) for i, rest, s in names if s == stage]
-            params = [self._lookup(layers, i - bounds[stage], rest) for i, rest in mine]
+            params = [self._lookup(layers, placement(i)[1], rest) for i, rest in mine]
             if params and all(p is not None for p in params):
                 for i, rest in mine[1:]:  # same stage: one Parameter
-                    self._set(layers[i - bounds[stage]], rest, params[0])
+                    self._set(layers[placement(i)[1]], rest, params[0])
                 local[t] = params[0]
             elif params:
                 local[t] = None  # reported below, on every rank
@@ -108,7 +118,7 @@ class SharedWeights:
         self._build_groups(ties, local, hcg, stage, device)
 
     @staticmethod
-    def _parse(shared_weights, bounds):
+    def _parse(shared_weights, n_layers, placement):
         if isinstance(shared_weights, (str, tuple)) or not isinstance(shared_weights, list):
             raise TypeError("shared_weights must be a list of ties, each a tuple of names, e.g. "
                             f"[('0.weight', '5.weight')]; got {shared_weights!r}")
@@ -122,9 +132,8 @@ class SharedWeights:
             seen |= set(tie)
             names = []
             for name in tie:
-                i, rest = _split_name(name, bounds[-1])
-                stage = max(s for s in range(len(bounds) - 1) if bounds[s] <= i)
-                names.append((i, rest, stage))
+                i, rest = _split_name(name, n_layers)
+                names.append((i, rest, placement(i)[0]))
             ties.append(sorted(names, key=lambda n: n[2]))  # first holder first
         return ties
 
