@@ -293,8 +293,14 @@ def parse_args(argv=None):
     p.add_argument("--split-param", action="store_true",
                    help="sharding v2 (flat param shards, reduce-scatter) instead of v1")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
-                   help="pipeline comm overlap where the layout allows it: sharding overlap "
-                   "with sharding > 1 and pp > 1, dp overlap with dp > 1, pp > 1, sharding 1")
+                   help="comm overlap where the layout allows it: the pipeline's sharding "
+                   "overlap with sharding > 1 and pp > 1, its dp overlap with dp > 1, pp > 1, "
+                   "sharding 1; sharding's own overlap with sharding > 1 and pp 1")
+    p.add_argument("--vpp", type=int, default=1,
+                   help="virtual pipeline stages per rank (interleaved 1F1B when > 1)")
+    p.add_argument("--free-grads-in-comm", dest="modes", action="append_const", const="free",
+                   help="also run release on + sharding_configs.free_grads_in_comm (a third "
+                   "mode): what a rank will not read is freed right after its collective")
     p.add_argument("--main-grad", action="store_true", help="bf16 params, fp32 main grads")
     p.add_argument("--steps", type=int, default=30, help="training steps per run")
     p.add_argument("--micro-batches", type=int, default=4,
@@ -327,8 +333,17 @@ def parse_args(argv=None):
         p.error(f"--block must be between 1 and 1024 characters, got {args.block}")
     if args.d_model < 4 or args.d_model % 4:
         p.error(f"--d-model must be a multiple of the 4 attention heads, got {args.d_model}")
-    if args.pp > args.layers + 2:
-        p.error(f"--pp {args.pp} exceeds the {args.layers + 2} layers; add --layers")
+    if args.vpp < 1:
+        p.error(f"--vpp must be >= 1, got {args.vpp}")
+    if args.pp * args.vpp > args.layers + 2:
+        p.error(f"--pp {args.pp} x --vpp {args.vpp} chunks exceed the {args.layers + 2} "
+                "layers; add --layers")
+    if args.vpp > 1 and (args.pp < 2 or args.micro_batches % args.pp):
+        p.error(f"--vpp {args.vpp} needs --pp >= 2 and --micro-batches a multiple of --pp; "
+                f"got --pp {args.pp} --micro-batches {args.micro_batches}")
+    if "free" in args.modes and args.sharding < 2:
+        p.error("--free-grads-in-comm frees what a sharding rank will not read: it needs "
+                f"--sharding >= 2, got {args.sharding}")
     if args.peers and ((args.pp, args.sharding, args.dp) != (2, 2, 1) or args.main_grad):
         p.error("--peers runs one layout, sharding 2 without pipeline in fp32 on 2 processes; "
                 f"got --pp {args.pp} --sharding {args.sharding} --dp {args.dp}"

@@ -689,9 +689,18 @@ def test_cli_help_and_effective_strategy(capsys):
             (["--no-overlap"], False, False)):
         _, opts = relgrad.parse_args(argv)
         for mode, release in (("off", False), ("on", True)):
-            pp_configs = make_strategy(opts, mode).pp_configs
+            strategy = make_strategy(opts, mode)
+            pp_configs = strategy.pp_configs
             assert (pp_configs.sharding_comm_overlap, pp_configs.dp_comm_overlap,
                     pp_configs.release_gradients) == (sharding_overlap, dp_overlap, release), argv
+            # without a pipeline, sharding overlaps with its own hooks
+            own = argv == ["--pp", "1"]
+            assert strategy.sharding_configs.comm_overlap is own, argv
+    _, opts = relgrad.parse_args(["--free-grads-in-comm", "--vpp", "2"])
+    assert opts["modes"] == ["off", "on", "free"]
+    strategy = make_strategy(opts, "free")
+    assert strategy.sharding_configs.free_grads_in_comm and strategy.pp_configs.release_gradients
+    assert strategy.pp_configs.num_virtual_pipeline_stages == 2
 
 
 def test_peers_agree(ranks):

@@ -25,6 +25,7 @@ from demo.phases import PipelineProbe, action_name, comm_buffers
 from demo.trace import Recorder
 from grad_clip import ClipGradByGlobalNorm
 from pipeline import PipelineParallel
+from pipeline_schedules.interleave import PipelineParallelWithInterleave
 from relgrad import (DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig)
 from sharding import (DygraphShardingOptimizer, DygraphShardingOptimizerV2,
                       MixPrecisionOptimizer)
@@ -34,21 +35,28 @@ from sharding import (DygraphShardingOptimizer, DygraphShardingOptimizerV2,
 MODES = {
     "off": {},
     "on": {"pp_configs.release_gradients": True},
+    "free": {"pp_configs.release_gradients": True, "sharding_configs.free_grads_in_comm": True},
 }
 
 
 def make_strategy(opts, mode="off"):
     """The HybridStrategy that runs for `opts` (the CLI's flags) and `mode`.
 
-    Comm overlap is on only where Paddle allows it and `--overlap` asks for it: sharding
-    overlap needs sharding > 1 and pp > 1; dp overlap needs dp > 1, pp > 1 and no sharding
-    (both at once is not allowed). So `--pp 1` runs without overlap whatever the flag says.
+    Comm overlap is on only where Paddle allows it and `--overlap` asks for it: the
+    pipeline's sharding overlap needs sharding > 1 and pp > 1; its dp overlap needs dp > 1,
+    pp > 1 and no sharding (both at once is not allowed); without a pipeline (pp 1) sharding
+    overlaps with its own hooks (sharding_configs.comm_overlap, accumulate_steps = the
+    micro-batches). So `--pp 1 --sharding 1` runs without overlap whatever the flag says.
+    `--vpp V` sets pp_configs.num_virtual_pipeline_stages.
     Raises ValueError (from the config classes) for a field value they reject.
     """
     pp, sharding, dp, overlap = opts["pp"], opts["sharding"], opts["dp"], opts["overlap"]
     fields = {"pp_configs": {"sharding_comm_overlap": overlap and sharding > 1 and pp > 1,
-                             "dp_comm_overlap": overlap and sharding == 1 and dp > 1 and pp > 1},
-              "sharding_configs": {"split_param": opts["split_param"]}}
+                             "dp_comm_overlap": overlap and sharding == 1 and dp > 1 and pp > 1,
+                             "num_virtual_pipeline_stages": opts.get("vpp", 1)},
+              "sharding_configs": {"split_param": opts["split_param"],
+                                   "comm_overlap": overlap and sharding > 1 and pp == 1,
+                                   "accumulate_steps": opts["micro_batches"]}}
     for key, value in MODES[mode].items():
         section, name = key.split(".")
         fields[section][name] = value
@@ -86,9 +94,10 @@ class PipelineRun:
         tie_and_clip = opts.get("tie_and_clip", True)
         self.strategy = strategy
         self.grad_clip = ClipGradByGlobalNorm(1.0) if tie_and_clip else None
-        self.model = PipelineParallel(lm_layers(vocab, opts, device), hcg, strategy, lm_loss,
-                                      shared_weights=lm_shared_weights(opts) if tie_and_clip
-                                      else None)
+        cls = (PipelineParallelWithInterleave
+               if strategy.pp_configs.num_virtual_pipeline_stages > 1 else PipelineParallel)
+        self.model = cls(lm_layers(vocab, opts, device), hcg, strategy, lm_loss,
+                         shared_weights=lm_shared_weights(opts) if tie_and_clip else None)
         self.optimizer = build_optimizer(self.model, strategy, hcg, opts, self.grad_clip)
         self.probe = PipelineProbe(self.model, self.optimizer, ledger, recorder, tid)
 
@@ -119,13 +128,14 @@ class PipelineRun:
     def buffers(self):
         """Each fused grad buffer: who built it, its collective, params and bytes (when
         allocated; with release they exist only from the first backward to the step's end)."""
-        own = set(map(id, getattr(self.optimizer, "_comm_buffer_list", [])))
+        own = set(map(id, self.optimizer._own_buffers()
+                      if hasattr(self.optimizer, "_own_buffers") else []))
         pipeline = {id(b) for bs in self.model._chunk_2_comm_buffers.values() for b in bs}
         out = []
         for b in comm_buffers(self.model, self.optimizer):
             dtype = torch.float32 if b.use_main_grad else b.params[0].dtype
             out.append({"owner": "pipeline" if id(b) in pipeline else
-                        "sharding v2" if id(b) in own else "?",
+                        "sharding" if id(b) in own else "?",
                         "action": action_name(b), "params": len(b.params),
                         "bytes": b.buffer_size * dtype.itemsize})
         return out

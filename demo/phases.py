@@ -22,9 +22,11 @@ _ACTIONS = {0: "all-reduce", 1: "reduce", 2: "reduce-scatter"}  # comm_buffer.HO
 
 
 def comm_buffers(model, optimizer):
-    """Every FusedCommBuffer of the run: the pipeline's, then sharding v2's own."""
+    """Every FusedCommBuffer of the run: the pipeline's, then the sharding optimizer's own
+    (v2's non-overlap buffers, or v1 / v2's under sharding_configs.comm_overlap)."""
     buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]
-    return buffers + [b for b in getattr(optimizer, "_comm_buffer_list", []) if b not in buffers]
+    own = optimizer._own_buffers() if hasattr(optimizer, "_own_buffers") else []
+    return buffers + [b for b in own if b not in buffers]
 
 
 def action_name(buffer):

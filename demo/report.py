@@ -173,6 +173,10 @@ def print_report(summary, steps=True):
 def _print_config(config):
     pp, model = config["pp_configs"], config["model"]
     overlap = [k for k in ("sharding_comm_overlap", "dp_comm_overlap") if pp[k]]
+    if config["sharding_configs"]["comm_overlap"]:
+        overlap.append("sharding's own comm_overlap")
+    if pp["num_virtual_pipeline_stages"] > 1:
+        overlap.append(f"{pp['num_virtual_pipeline_stages']} virtual stages per rank")
     print(f"\nran: pp {config['pp_degree']} x sharding {config['sharding_degree']} x dp "
           f"{config['dp_degree']} = {config['processes']} processes, {config['optimizer']}, "
           f"{' and '.join(overlap) or 'no comm overlap'};\n{config['accumulate_steps']} "
