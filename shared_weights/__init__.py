@@ -32,7 +32,6 @@ forward is its own), shared layers (here: shared params).
 References: Paddle's pp_layers.py (`SharedLayerDesc`); Press & Wolf, "Using the Output
 Embedding to Improve Language Models" (2017).
 """
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -46,17 +45,7 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 def check_in_hook(buffer, param):
     """Like `comm_buffer.bw_hook_func`, but checks `param` in without firing the collective
     (`add_grad(param, use_comm=False)`): the caller fires it with `buffer.comm_grads()`."""
-    buffer_ref = weakref.ref(buffer)
-
-    @torch.no_grad()
-    def check_in(param):
-        buffer = buffer_ref()
-        if buffer is None:
-            raise RuntimeError("a grad hook outlived its FusedCommBuffer; keep the buffers "
-                               "alive while training")
-        buffer.add_grad(param, use_comm=False)
-
-    return check_in
+    return bw_hook_func(buffer, param, use_comm=False)
 
 
 def _split_name(name, n_layers):
