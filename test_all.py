@@ -561,7 +561,8 @@ def _run_json(cmd):
 # The --json schema (demo/report.py): keys of the object and of each mode.
 _TOP_KEYS = {"config", "stages", "phases", "baseline", "modes", "bitwise_equal"}
 _MODE_KEYS = {"losses", "grad_norms", "idle_bytes_allocator", "idle_grad_bytes_counted",
-              "peak_bytes", "phase_bytes", "step_time_s", "step_time_iqr_s", "step_times_s"}
+              "peak_bytes", "peak_phase", "phase_bytes", "step_time_s", "step_time_iqr_s",
+              "step_times_s"}
 _OTHER_MODE_KEYS = _MODE_KEYS | {"idle_grad_bytes_allocator", "step_time_ratio", "bitwise_equal"}
 _PHASES = ["step start", "before 1st backward", "after 1st backward", "after last backward",
            "after collectives", "after optimizer step", "after release"]
@@ -578,6 +579,7 @@ def _check_schema(result, world, steps):
                     "phase_bytes"):
             assert len(mode[key]) == world, key
         assert all(len(p) == len(_PHASES) for p in mode["phase_bytes"])
+        assert all(p in ("forward", "backward", "comm", "step") for p in mode["peak_phase"])
     ratio = result["modes"]["on"]["step_time_ratio"]
     assert set(ratio) == {"median", "iqr", "steps", "verdict"} and ratio["steps"] == steps - 1
     assert result["config"]["processes"] == world

@@ -159,14 +159,17 @@ def measure(builders, steps, batch, device, recorder):
         ledger.begin()
         runs[name] = build(ledger, recorder, tid)
         out[name] = {"built": ledger.end(), "losses": [], "grad_norms": [], "idle": [],
-                     "counted": [], "peak": [], "time": [], "phases": None}
+                     "counted": [], "peak": [], "peak_phase": [], "time": [],
+                     "phases": None}
     names = list(runs)
     for step in range(steps):
         x, y = batch(step)
         for name in names if step % 2 == 0 else names[::-1]:  # A B, then B A
             run, ledger, m = runs[name], ledgers[name], out[name]
             ledger.begin()
-            with PeakSampler(ledger, recorder) as peak:
+            probe = getattr(run, "probe", None)
+            phase_of = (lambda probe=probe: probe.phase) if probe is not None else None
+            with PeakSampler(ledger, recorder, phase_of) as peak:
                 t0 = time.perf_counter_ns()
                 loss = float(run.step(x, y))  # float(): waits for the device
                 t1 = time.perf_counter_ns()
@@ -177,6 +180,7 @@ def measure(builders, steps, batch, device, recorder):
             m["grad_norms"].append(run.grad_norm() if hasattr(run, "grad_norm") else None)
             m["time"].append((t1 - t0) / 1e9)
             m["peak"].append(peak.peak)
+            m["peak_phase"].append(peak.phase)
             m["counted"].append(run.counted_grad_bytes()
                                 if hasattr(run, "counted_grad_bytes") else None)
             if hasattr(run, "phase_bytes"):

@@ -65,10 +65,13 @@ class Ledger:
 class PeakSampler:
     """The highest bytes of `ledger`'s run during a block: the CUDA allocator's peak, or on CPU
     the highest in-use bytes seen by a thread sampling every 0.5 ms. With a `recorder`, the CPU
-    samples also go to its counter track (process-wide in-use bytes)."""
+    samples also go to its counter track (process-wide in-use bytes). With `phase_of` (a
+    function returning the phase the run is in: "forward", "backward", "comm", "step"), the
+    CPU sampler also keeps `phase`, the phase of the peak (None on GPU or if unknown)."""
 
-    def __init__(self, ledger, recorder=None):
+    def __init__(self, ledger, recorder=None, phase_of=None):
         self.ledger, self.recorder, self.peak = ledger, recorder, None
+        self.phase_of, self.phase = phase_of, None
 
     def __enter__(self):
         device = self.ledger.device
@@ -86,7 +89,9 @@ class PeakSampler:
         device, recorder = self.ledger.device, self.recorder
         while not self._stop.wait(0.0005):
             total = allocator_in_use_bytes(device)
-            self._total = max(self._total, total)
+            if total > self._total:
+                self._total = total
+                self.phase = self.phase_of() if self.phase_of is not None else None
             if recorder is not None:
                 recorder.counter(time.perf_counter_ns(), total)
 

@@ -47,15 +47,19 @@ class PipelineProbe:
         self.bytes, self._backwards, self._watched = [None] * len(PHASES), 0, set()
         self._release_name = "release" if model._release_gradients else "zero grads"
         self._step_end = 0
-        self._wrap(model, "_forward_step", lambda *a: f"F{a[2]}")  # (x, label, micro-batch)
+        self.phase = "forward"  # what the run is doing now, for the peak's phase
+        self._wrap(model, "_forward_step", lambda *a: f"F{a[2]}",  # (x, label, micro-batch)
+                   lambda *a: self._enter("forward"))
         self._wrap(model, "_backward_step", lambda *a: f"B{a[3]}",  # (x, out, grad, micro-batch)
                    self._before_backward, self._after_backward)
         self._wrap(model, "_p2p", "p2p")
-        self._wrap(optimizer, "step", "optimizer step", after=self._after_optimizer_step)
-        self._wrap(model, "_optimizer_step", None, after=self._after_release)
+        self._wrap(optimizer, "step", "optimizer step", lambda *a: self._enter("step"),
+                   after=self._after_optimizer_step)
+        self._wrap(model, "_optimizer_step", None, lambda *a: self._enter("step"),
+                   after=self._after_release)
         if hasattr(optimizer, "reduce_gradients"):
             self._wrap(optimizer, "reduce_gradients", "reduce_gradients",
-                       after=self._after_reduce_gradients)
+                       lambda *a: self._enter("comm"), after=self._after_reduce_gradients)
 
     def start_step(self):
         """Mark the step start; watch buffers built since (sharding's are built lazily)."""
@@ -69,13 +73,18 @@ class PipelineProbe:
                     name += f" to rank {buffer._dst}"
                 self._wrap(buffer, "_comm_grads", f"issue {name}")
                 self._wrap(buffer, "scale_grads", f"wait+scale {name}",
-                           after=lambda *a: self._mark(4))
+                           lambda *a: self._enter("comm"), after=lambda *a: self._mark(4))
+        self.phase = "forward"
         self._mark(0)
+
+    def _enter(self, phase):
+        self.phase = phase
 
     def _mark(self, phase):
         self.bytes[phase] = self.ledger.now()
 
     def _before_backward(self, *args):
+        self.phase = "backward"
         if self._backwards == 0:
             self._mark(1)
 
@@ -94,6 +103,7 @@ class PipelineProbe:
         self._mark(6)
 
     def _after_reduce_gradients(self, *args):
+        self.phase = "step"  # called from the optimizer's step
         if not self.optimizer.pp_overlap:  # under pipeline overlap it does nothing
             self._mark(4)
 

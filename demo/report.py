@@ -18,6 +18,9 @@ lists marked "per rank" are indexed by global rank):
       idle_grad_bytes_counted  per rank: our count of grad storages between steps (max after
                                step 1)
       peak_bytes               per rank: highest in-use bytes during a step, above the start
+      peak_phase               per rank: the phase that peak fell in ("forward", "backward",
+                               "comm": waiting for the grad collectives, "step": the optimizer
+                               step and release; null where unknown, e.g. on GPU)
       phase_bytes              per rank: bytes at each of `phases` in the last step (null:
                                no such boundary in this layout)
       step_time_s              median wall time of a step (slowest rank), after step 1
@@ -118,6 +121,7 @@ def summarize(results, opts):
             "idle_bytes_allocator": [_median(m["idle"][after1]) for m in ms],
             "idle_grad_bytes_counted": [max(m["counted"][after1]) for m in ms],
             "peak_bytes": [_max(m["peak"]) for m in ms],
+            "peak_phase": [_phase_of_max(m["peak"], m["peak_phase"]) for m in ms],
             "phase_bytes": [m["phases"] for m in ms],
             "step_time_s": median, "step_time_iqr_s": [q1, q3], "step_times_s": times[mode],
         }
@@ -131,6 +135,12 @@ def summarize(results, opts):
     return {"config": effective_config(opts, ranks), "stages": [r["stage"] for r in ranks],
             "phases": list(PHASES), "baseline": base, "modes": modes,
             "bitwise_equal": all(r["equal"][mode] for r in ranks for mode in opts["modes"])}
+
+
+def _phase_of_max(peaks, phases):
+    if None in peaks or not peaks:
+        return None
+    return phases[max(range(len(peaks)), key=peaks.__getitem__)]
 
 
 def kib(n, digits=1):
@@ -163,6 +173,9 @@ def print_report(summary, steps=True):
               + " | "
               + "".join(f"{kib(modes[m]['idle_grad_bytes_counted'][r]):>9}" for m in names)
               + " | " + "".join(f"{kib(modes[m]['peak_bytes'][r]):>10}" for m in names))
+    print("phase of each run's peak: " + "; ".join(
+        f"rank {r}: " + "/".join(str(modes[m]["peak_phase"][r]) for m in names)
+        for r in range(len(summary["stages"]))) + f" ({'/'.join(names)})")
     _print_phases(summary, names)
     _print_times(modes, base, others)
     first = modes[base]["losses"]
