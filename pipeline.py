@@ -426,7 +426,7 @@ class PipelineParallel(nn.Module):
 
     def _check_accumulation(self):
         # Made from the call history, the same on every rank: all raise, none communicates.
-        if self._grads_pending and (self._comm_overlap or self._shared):
+        if self._grads_pending and (self._comm_overlap or self._shared.across_stages):
             what = "comm overlap" if self._comm_overlap else "shared_weights"
             raise ValueError(
                 f"forward_backward_pipeline ran again before the optimizer step: with {what} "

@@ -12,7 +12,7 @@ ZeroRedundancyOptimizer and FSDP2 beside this repo's sharding v2). Under `torchr
 that job instead (nccl on GPUs, gloo otherwise). The job itself lives in `demo/`; the launcher
 here also serves the tests.
 
-Leaves out: mp / sep axes, the interleaved schedule, checkpointing.
+Leaves out: mp / sep axes.
 
 References: Paddle PRs #59739, #64517; PaddleNLP PR #7594 (`enable_release_grads`).
 """

@@ -518,6 +518,12 @@ def test_tied_weights_across_stages(ranks):
     ranks(4).run(clipping.tied_weights)
 
 
+def test_second_schedule_call_refused_on_stages_without_the_tie(ranks):
+    """Check pp 3 with a first-last tie refuses a second schedule call on every stage, the
+    middle one (no copy) included, instead of leaving it in a receive."""
+    ranks(3).run(clipping.second_call_refused_pp3, timeout=90)
+
+
 def test_accumulate_over_schedule_calls(ranks):
     """Check two schedule calls per step give a = 0.6, 0.36, 0.216 without overlap, and with
     sharding comm overlap raise on every rank without hanging."""

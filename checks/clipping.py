@@ -264,3 +264,24 @@ def accumulate_calls(rank, world, steps=3):
                 assert math.isclose(float(w), want, rel_tol=1e-6), (release, step, float(w))
     dist.barrier()  # every rank got here: none is blocked in a collective
     return "ok"
+
+
+def second_call_refused_pp3(rank, world):
+    """pp 3 with a tie between the first and last stage: the middle stage holds no copy, yet
+    a second forward_backward_pipeline before the step raises on it too (no rank is left in
+    a receive)."""
+    strategy = _strategy(pp=3, acc=2, release=True)
+    hcg = HybridCommunicateGroup(strategy)
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(),
+              nn.Linear(4, 4, bias=False)]
+    model = PipelineParallel(layers, hcg, strategy, _mse, seg_boundaries=[0, 2, 4, 5],
+                             shared_weights=[("0.weight", "4.weight")])
+    model._prepare_training(torch.optim.SGD(model.parameters(), lr=0.1), None)
+    data = _data(0, 4, 4, 4)
+    model.forward_backward_pipeline(data)
+    with pytest.raises(ValueError, match="ran again before the optimizer step: with "
+                                         "shared_weights"):
+        model.forward_backward_pipeline(data)
+    dist.barrier()
+    return "ok"

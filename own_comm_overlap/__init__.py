@@ -118,7 +118,9 @@ class _OwnOverlap:
             f"issued on every rank: {'; '.join(missing)}. Every trainable param must get a grad "
             f"in each of accumulate_steps={buffers[0]._acc_steps} backward passes before "
             "step(): leave unused params out of the optimizer (or set requires_grad=False "
-            "before building it), and run exactly accumulate_steps backwards per step")
+            "before building it), run exactly accumulate_steps backwards per step, and "
+            "clear grads only after step() (with release, zero_grad() between the backwards "
+            "of a step drops the half-accumulated buffer and its check-ins)")
 
 
 def _own_overlap_hook(optimizer, buffer, param):

@@ -90,6 +90,9 @@ class SharedWeights:
                 s = max(s for s in range(len(bounds) - 1) if bounds[s] <= i)
                 return s, i - bounds[s]
         ties = self._parse(shared_weights or [], bounds[-1], placement)
+        # Rank-independent (from the argument and the layout): some tie spans stages, so
+        # every stage's schedule ends with a pipe sum, whether or not it holds a copy.
+        self.across_stages = any(len({s for _, _, s in names}) > 1 for names in ties)
         if not ties:
             return
         stage = hcg.get_stage_id()
