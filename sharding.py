@@ -27,6 +27,8 @@ torch.amp.GradScaler (refused with a clear error).
 References: Paddle PRs #59739, #58462, #58621, #64517 (sharding-side release flag);
 Rajbhandari et al., "ZeRO" (2020); torch's ZeroRedundancyOptimizer.
 """
+import inspect
+
 import torch
 import torch.distributed as dist
 
@@ -35,7 +37,8 @@ from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _sha
                          main_grad_or_grad as _grad)
 from grad_clip import ClipGradByGlobalNorm, norm_groups
 from optim_wrappers.grad_agreement import agree, fill_missing_grads
-from optim_wrappers.master_weights import MixPrecisionOptimizer, template_state_message
+from optim_wrappers.master_weights import (MixPrecisionOptimizer, carries_state,
+                                           template_state_message)
 from optim_wrappers.torch_face import _Wrapper, clear_grad_func as _clear
 from checkpoint import ShardingCheckpoint, sharding_state
 from own_comm_overlap import _OwnOverlap
@@ -103,7 +106,8 @@ class _Sharding(_OwnOverlap, ShardingCheckpoint, _Wrapper):
         """Beyond Paddle: refuse, on every rank, a template optimizer that already has state
         (its moments would be dropped silently: the inner optimizer is built anew from it).
         One small all-reduce, since a checkpoint may have been loaded on some ranks only."""
-        detail = f"{len(optimizer.state)} param(s) with state" if optimizer.state else None
+        detail = (f"{len(optimizer.state)} param(s) with state" if carries_state(optimizer)
+                  else None)
         agree([], [(template_state_message(type(self).__name__, optimizer), detail)],
               self._flag_groups(), self._flags_device())
 
@@ -333,18 +337,26 @@ class DygraphShardingOptimizer(_Sharding):
 
 # Optimizers whose update of an element reads only that element's grad and state: the same
 # on a flat 1-D slice as on the whole param, so v2 may step slices with them.
-_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-                torch.optim.Adadelta, torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam,
-                torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop)
+# (Adagrad is element-wise too, but builds its state when constructed, over v2's empty slice
+# placeholders.) A subclass that overrides `step` may read whole tensors (LAMB, LARS): refused.
+_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adadelta,
+                torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam, torch.optim.RAdam,
+                torch.optim.RMSprop, torch.optim.Rprop)
+
+
+def _is_elementwise(optimizer):
+    step = inspect.unwrap(type(optimizer).step)  # torch wraps step with its hooks
+    return any(isinstance(optimizer, c) and step is inspect.unwrap(c.step) for c in _ELEMENTWISE)
 
 
 def _check_elementwise(optimizer):
     """v2 steps 1-D slices: refuse an optimizer whose update depends on the param's shape."""
-    if not isinstance(optimizer, _ELEMENTWISE):
+    if not _is_elementwise(optimizer):
         raise ValueError(
             f"sharding v2 (split_param) steps flat 1-D slices of the params, so it needs an "
             f"element-wise optimizer ({', '.join(c.__name__ for c in _ELEMENTWISE)} or a "
-            f"subclass); got {type(optimizer).__name__}, whose update may depend on the "
+            f"subclass that keeps their step); got {type(optimizer).__name__}, whose update "
+            "may depend on the "
             "param's shape or on whole-tensor norms (e.g. Adafactor's factored moments, "
             "Muon's 2-D orthogonalisation). Use sharding v1 (DygraphShardingOptimizer, whole "
             "params) instead")

@@ -383,8 +383,9 @@ def test_contract_grad_scaler(ranks):
 
 
 def test_contract_stateful_template(ranks):
-    """Check a torch optimizer that already has state is refused when wrapped (on every rank),
-    a plain torch state_dict loads into MixPrecisionOptimizer, v2 refuses Adafactor."""
+    """Check a torch optimizer that already has state is refused when wrapped (on every rank;
+    Adagrad's initial state is not such state), a plain torch state_dict loads into
+    MixPrecisionOptimizer, v2 refuses Adafactor and a subclass with its own step."""
     ranks(2).run(contract.stateful_template)
 
 

@@ -389,4 +389,23 @@ def stateful_template(rank, world):
     assert mix.state_dict()["inner"]["state"][0]["step"].item() == 2
     with pytest.raises(ValueError, match="needs an element-wise optimizer.*got Adafactor"):
         V2(torch.optim.Adafactor(_Params(a=1.0).parameters()), hcg, strategy)
+
+    class Lamb(torch.optim.AdamW):  # a per-tensor trust ratio: wrong on flat slices
+        @torch.no_grad()
+        def step(self, closure=None):
+            return super().step(closure)
+
+    class Quiet(torch.optim.AdamW):  # keeps AdamW's step: element-wise still
+        pass
+
+    with pytest.raises(ValueError, match="needs an element-wise optimizer.*got Lamb"):
+        V2(Lamb(_Params(a=1.0).parameters()), hcg, strategy)
+    V2(Quiet(_Params(a=1.0).parameters()), hcg, strategy)
+    # Adagrad builds its state when constructed: that is no "state" to drop; v1 trains it as
+    # one process does (a = 1 - 0.5 * 3 / sqrt(9) = 0.5 after one step, b likewise 1.5)
+    model = _Params(a=1.0, b=2.0)
+    v1 = V1(torch.optim.Adagrad(model.parameters(), lr=0.5), hcg, strategy)
+    (model.a * 3 + model.b).sum().backward()
+    v1.step()
+    assert (_value(model.a), _value(model.b)) == (0.5, 1.5)
     return "ok"

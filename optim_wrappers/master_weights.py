@@ -43,7 +43,7 @@ class MixPrecisionOptimizer(_Wrapper):
     """
 
     def __init__(self, optimizer, params=None):
-        if optimizer.state:  # the sharding wrappers agree on this first (_check_template)
+        if carries_state(optimizer):  # the sharding wrappers agree on this first
             raise ValueError(f"{template_state_message(type(self).__name__, optimizer)}; "
                              f"it holds state for {len(optimizer.state)} param(s)")
         if params is None:
@@ -51,9 +51,7 @@ class MixPrecisionOptimizer(_Wrapper):
         self._targets, self._masters = [], {}
         groups = [self._master_group(group, targets)
                   for group, targets in zip(optimizer.param_groups, params)]
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        self._inner_opt = type(optimizer)(groups, **kwargs)  # AdamW's defaults hold extra keys
+        self._inner_opt = _rebuilt(optimizer, groups)
         self._expose(self._inner_opt)
         # The template's hyper-parameters as built: an LR scheduler built on the template
         # (before wrapping) would change them there, where nothing steps (check_template).
@@ -144,6 +142,30 @@ class MixPrecisionOptimizer(_Wrapper):
         self._inner_opt.load_state_dict(state_dict["inner"])
         for m, saved in zip(self._masters.values(), state_dict["masters"]):
             m.data = saved.clone()
+
+
+def _rebuilt(optimizer, groups):
+    """A new optimizer of `optimizer`'s class and hyper-parameters over `groups`."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(groups, **kwargs)  # AdamW's defaults hold extra keys
+
+
+def carries_state(optimizer):
+    """True if `optimizer` holds state that a new one over the same params would not have
+    (it was stepped or loaded). Some optimizers (Adagrad) create their state when built:
+    that initial state is compared with a fresh optimizer's, not counted."""
+    if not optimizer.state:
+        return False
+    fresh = _rebuilt(optimizer, [{**_hyper(g), "params": g["params"]}
+                                 for g in optimizer.param_groups])
+    for p, state in optimizer.state.items():
+        new = fresh.state.get(p, {})
+        if set(state) != set(new) or not all(
+                torch.equal(torch.as_tensor(v), torch.as_tensor(new[k]))
+                for k, v in state.items()):
+            return True
+    return False
 
 
 def template_state_message(wrapper, optimizer):
