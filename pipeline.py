@@ -32,9 +32,7 @@ from torch import nn
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, assign_group_by_size,
                          bw_hook_func, global_rank, main_grad_or_grad as _grad)
-from grad_clip import ClipGradByGlobalNorm, norm_groups
-from optim_wrappers.grad_agreement import agreed_all_reduce_mean
-from shared_weights import SharedWeights
+from sharding import _check_grad_clip, _extras, agreed_all_reduce_mean, norm_groups
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
@@ -63,6 +61,23 @@ def _clear_grad(optimizer, set_to_zero):
         optimizer.zero_grad(set_to_none=not set_to_zero)
 
 
+class _NoTies:
+    """What `PipelineParallel` asks of its tied weights when there are none (no ties: no
+    collectives, every bucket fires from its own hook)."""
+
+    across_stages = False
+    held_buffers = ()
+
+    def __bool__(self):
+        return False
+
+    def hook_func(self, bucket, buffer):
+        return bw_hook_func
+
+    def allreduce_shared_weight_gradients(self):
+        pass
+
+
 class PipelineParallel(nn.Module):
     """One pipeline stage of `layers`, trained with 1F1B (Paddle's `PipelineParallel`).
 
@@ -81,7 +96,7 @@ class PipelineParallel(nn.Module):
             copies start equal (broadcast from the first holder), their grads are summed over
             the holding stages after the schedule, before any dp / sharding collective reads
             them (with comm overlap, their buckets wait for that sum), so they stay equal;
-            see `shared_weights.SharedWeights` for the rules and the errors it raises.
+            see `relgrad_extras.shared_weights.SharedWeights` for the rules and the errors it raises.
     Raises ValueError for boundaries that do not cover the layers, an overlap config that
     breaks Paddle's rules (dp_comm_overlap needs dp > 1 and pp > 1, sharding_comm_overlap
     needs sharding > 1 and pp > 1, not both), or pp_configs.num_virtual_pipeline_stages > 1
@@ -144,10 +159,14 @@ class PipelineParallel(nn.Module):
         if num_virtual_stages != 1:
             raise ValueError(f"pp_configs.num_virtual_pipeline_stages={num_virtual_stages} "
                              "needs the interleaved schedule: build PipelineParallelWithInterleave"
-                             " (pipeline_schedules.interleave); PipelineParallel runs 1 chunk")
+                             " (relgrad_extras.interleave); PipelineParallel runs 1 chunk")
 
     def _shared_weights(self, shared_weights, bounds):
-        return SharedWeights(self._layers, self._hcg, shared_weights, bounds, self._device())
+        if shared_weights is None:
+            return _NoTies()
+        tied = _extras("shared_weights", "PipelineParallel(shared_weights=...)")
+        return tied.SharedWeights(self._layers, self._hcg, shared_weights, bounds,
+                                  self._device())
 
     def _build_layers(self, layers, seg_boundaries):
         """This stage's `nn.Sequential` of `layers[b[s]:b[s+1]]`, built from LayerDescs, and
@@ -225,7 +244,8 @@ class PipelineParallel(nn.Module):
         same on every rank of this pipe. Raises ValueError if the batch does not split into
         `accumulate_steps` micro-batches (of `micro_batch_size`, if set).
 
-        `grad_clip`: None or a `grad_clip.ClipGradByGlobalNorm`, for a plain torch optimizer.
+        `grad_clip`: None or a Paddle-style clip (`relgrad_extras.grad_clip.ClipGradByGlobalNorm`),
+        for a plain torch optimizer.
         Paddle finds it inside the optimizer (its `grad_clip`); a torch optimizer has no such
         slot, so it is passed here beside the optimizer, as `lr_scheduler` is. It runs in
         `_optimizer_step` after the dp all-reduce, before the step and the release, over the
@@ -241,9 +261,7 @@ class PipelineParallel(nn.Module):
         return loss
 
     def _prepare_training(self, optimizer, lr_scheduler, grad_clip=None):
-        if grad_clip is not None and not isinstance(grad_clip, ClipGradByGlobalNorm):
-            raise TypeError(f"grad_clip must be None or grad_clip.ClipGradByGlobalNorm, got "
-                            f"{type(grad_clip).__name__}")
+        _check_grad_clip(grad_clip)
         if grad_clip is not None and hasattr(optimizer, "reduce_gradients"):
             raise ValueError("a sharding optimizer clips in its own step(): pass grad_clip to "
                              f"{type(optimizer).__name__}(..., grad_clip=), not to train_batch")

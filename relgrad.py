@@ -348,7 +348,7 @@ def parse_args(argv=None):
         p.error("--peers runs one layout, sharding 2 without pipeline in fp32 on 2 processes; "
                 f"got --pp {args.pp} --sharding {args.sharding} --dp {args.dp}"
                 f"{' --main-grad' if args.main_grad else ''}: drop those flags")
-    from demo.lm import load_text  # the demo imports this module: import it once we run
+    from relgrad_demo.lm import load_text  # the demo imports this module: import it once we run
     try:
         chars = len(load_text(args.data))
     except OSError as e:
@@ -365,7 +365,7 @@ def main(argv=None):
     """Run the main job (or --peers) locally (own ranks) or inside torchrun; print the
     report; return the exit status."""
     args, opts = parse_args(argv)
-    from demo import job, peers, report, trace
+    from relgrad_demo import job, peers, report, trace
     if args.peers:
         fn, world, shown = peers.peers_job, 2, peers
     else:

@@ -14,7 +14,7 @@ buffers (v2's own, or the pipeline's) live from the first grad of a step to `cle
 Phases of `step()`: agree (one small all-reduce of flags: which params have a grad on some
 rank, misuse seen anywhere) -> reduce -> dp all-reduce (dp > 1) -> clip (`grad_clip`) -> step
 owned params / slices -> broadcast / all-gather. Both keep torch's optimizer contract
-(`optim_wrappers.torch_face`).
+(the torch optimizer surface section).
 
 Without a pipeline, `sharding_configs.comm_overlap` (sharding's own tensor-fusion overlap)
 registers the buffers' hooks in the optimizer itself, so each bucket's reduce (v1, buckets
@@ -27,22 +27,885 @@ torch.amp.GradScaler (refused with a clear error).
 References: Paddle PRs #59739, #58462, #58621, #64517 (sharding-side release flag);
 Rajbhandari et al., "ZeRO" (2020); torch's ZeroRedundancyOptimizer.
 """
+import importlib
 import inspect
+import weakref
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _share_param_buffer,
-                         all_reduce_mean, assign_group_by_size, global_rank,
+                         all_reduce_mean, assign_group_by_size, bw_hook_func, global_rank,
                          main_grad_or_grad as _grad)
-from grad_clip import ClipGradByGlobalNorm, norm_groups
-from optim_wrappers.grad_agreement import agree, fill_missing_grads
-from optim_wrappers.master_weights import (MixPrecisionOptimizer, carries_state,
-                                           template_state_message)
-from optim_wrappers.torch_face import _Wrapper, clear_grad_func as _clear
-from checkpoint import ShardingCheckpoint, sharding_state
-from own_comm_overlap import _OwnOverlap
 
+
+# ============================================================================================
+# The torch optimizer surface (param_groups / state live, hooks, state_dict)
+# ============================================================================================
+
+# The torch optimizer face of the wrappers (`MixPrecisionOptimizer`, sharding v1 / v2).
+#
+# Paddle's wrappers forward to the inner optimizer by `__getattr__`; a torch user instead reaches
+# for `torch.optim.Optimizer`'s own API (LR schedulers read `param_groups`, checkpoints call
+# `state_dict`, libraries register hooks). `_Wrapper` keeps that API: each public method of
+# `torch.optim.Optimizer` (torch 2.13) works through the wrapper or raises naming the alternative.
+# `param_groups` and `state` are read from the inner optimizer on every access, never cached:
+# torch's `load_state_dict` replaces both objects, and a cached reference would leave an LR
+# scheduler driving a dead dict.
+
+# The registries torch.optim.Optimizer.__init__ creates (torch 2.13); ours start empty.
+_HOOK_REGISTRIES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                    "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                    "_optimizer_load_state_dict_pre_hooks",
+                    "_optimizer_load_state_dict_post_hooks")
+
+GRAD_SCALER_MSG = (
+    "torch.amp.GradScaler cannot drive this optimizer: its unscale_ and inf check read each "
+    "rank's own grads before the sharding reduce (and v2's slice grads are bound only inside "
+    "step()), so ranks would step on partly scaled grads or skip the step apart. Train without "
+    "loss scaling: bf16 params with fp32 main grads (comm_buffer.register_main_grad_hooks) "
+    "need none.")
+
+
+def clear_grad_func(p, set_to_zero):
+    """Zero `p`'s main_grad / grad in place, or drop them (Paddle's clear_grad_func)."""
+    for name in ("main_grad", "grad"):
+        g = getattr(p, name, None)
+        if g is not None:
+            if set_to_zero:
+                g.zero_()
+            else:
+                setattr(p, name, None)
+
+
+class _Wrapper(torch.optim.Optimizer):
+    """Common torch face of the wrappers; subclasses set `self._inner_opt` and call `_expose`.
+
+    - `param_groups`, `state`: the inner optimizer's, re-read on each access (so LR schedulers
+      keep working after `load_state_dict`). For v1 they hold this rank's owned params, for v2
+      its slice params, and fp32 masters stand in for low-precision params.
+    - `zero_grad(set_to_none)` is `clear_grad(set_to_zero=not set_to_none)`.
+    - `state_dict()` / `load_state_dict()`: this rank's state, through torch's state-dict
+      pre / post hooks registered on the wrapper.
+    - `register_step_pre_hook` / `register_step_post_hook`: torch's own, around the wrapper's
+      `step()` (global hooks from `register_optimizer_step_*_hook` also see the inner step).
+    - `add_param_group`: raises ValueError unless the subclass implements it.
+    - `step(closure)` with a closure, or driven by `torch.amp.GradScaler`, raises ValueError.
+    - pickling / `copy.deepcopy` raise TypeError (copy `state_dict()` instead).
+    """
+
+    # GradScaler then hands the scale to step() (as `grad_scale` / `found_inf` attributes)
+    # instead of unscaling param_groups' grads itself; step() refuses it (GRAD_SCALER_MSG).
+    _step_supports_amp_scaling = True
+
+    def _expose(self, inner):
+        # What torch.optim.Optimizer.__init__ sets up, minus its param_groups / state lists.
+        self.defaults = inner.defaults
+        for name in _HOOK_REGISTRIES:
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()  # torch's step pre / post hooks around our step()
+
+    @property
+    def param_groups(self):
+        """The inner optimizer's param groups (a live view: LR changes reach the step)."""
+        return self._inner_opt.param_groups
+
+    @property
+    def state(self):
+        """The inner optimizer's per-param state (keys: owned / slice params or masters)."""
+        return self._inner_opt.state
+
+    def __getstate__(self):
+        # torch's pickles param_groups / state as plain attributes, which would shadow ours.
+        raise TypeError(f"{type(self).__name__} cannot be pickled or deep-copied (its "
+                        "param_groups and state are the inner optimizer's; the sharding "
+                        "wrappers also hold process groups); save or copy state_dict() instead")
+
+    def _check_step_args(self, closure):
+        """Raise ValueError, on every rank alike, for a closure or a driving GradScaler."""
+        if closure is not None:
+            raise ValueError("closure is not supported by the sharding wrappers; call the "
+                             "model yourself and then step()")
+        if getattr(self, "grad_scale", None) is not None:
+            raise ValueError(GRAD_SCALER_MSG)
+        if hasattr(self._inner_opt, "check_template"):  # v1 / v2: before any collective
+            self._inner_opt.check_template()
+
+    def zero_grad(self, set_to_none=True):
+        """torch's spelling of `clear_grad(set_to_zero=not set_to_none)`, same rules."""
+        self.clear_grad(set_to_zero=not set_to_none)
+
+    def add_param_group(self, param_group):
+        """Not supported by this wrapper: raises ValueError naming the alternative."""
+        raise ValueError(f"{type(self).__name__} cannot add a param group after it was built "
+                         "(the new params would need their own slots in the flat buffers); "
+                         "build the torch optimizer with every group first, e.g. "
+                         "SGD([{'params': a}, {'params': b, 'lr': ...}]), then wrap it")
+
+    def state_dict(self):
+        """This rank's optimizer state (its shard of it, for v1 and v2), through torch's
+        state_dict pre-hooks (`hook(opt)`) and post-hooks (`hook(opt, sd) -> sd or None`)."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state_dict = self._local_state_dict()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def load_state_dict(self, state_dict):
+        """Load what this rank's `state_dict()` returned, through torch's load_state_dict
+        pre-hooks (`hook(opt, sd) -> sd or None`, on a shallow copy) and post-hooks."""
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load_local_state_dict(state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _local_state_dict(self):
+        return self._inner_opt.state_dict()
+
+    def _load_local_state_dict(self, state_dict):
+        self._inner_opt.load_state_dict(state_dict)
+
+
+_clear = clear_grad_func
+
+
+# ============================================================================================
+# Agreement across ranks on grads and misuse (one small all-reduce of flags)
+# ============================================================================================
+
+# Agree across ranks, before any grad collective, on which params have a grad and on misuse.
+#
+# Not in Paddle: its sharding and dp syncs skip a param whose grad is None on *this* rank, so a
+# param that one rank's loss left out makes the ranks issue different collectives (a hang), and a
+# misuse seen by one rank (a model moved behind the optimizer's back) raises on that rank alone
+# while the others block in the next collective. Here every rank first sums a few int flags over
+# its groups in one small all-reduce per group: one flag per misuse rule, one per param "this
+# rank has a grad". A rule seen anywhere raises on every rank; a param is stepped iff some rank
+# produced a grad for it, the ranks without one contributing zeros (torch's semantics for a
+# single process; DDP does the same for unused params).
+#
+# Used by `sharding.py` (v1 / v2 `step()`) and `pipeline.py` (`_optimizer_step`'s dp all-reduce).
+
+def agree(has_grad, rules, groups, device):
+    """Sum `[rule flags..., has_grad flags...]` (1-D int32, len(rules) + len(has_grad)
+    elements, 0 / 1 each) over each of `groups` in turn: one small all-reduce per group.
+    Not in Paddle (see the module docstring).
+
+    Args:
+        has_grad: list of bool, one per param (this rank holds a grad for it).
+        rules: list of `(rule, detail)`: `rule` the error text (same on every rank), `detail`
+            what this rank saw (str) or None if it saw nothing wrong.
+        groups: process groups to sum over, in order (e.g. sharding, then dp); None = WORLD.
+        device: where the flags tensor lives (the params' device: nccl needs cuda).
+    Returns a list of bool, one per param: some rank of `groups` has a grad for it.
+    Raises ValueError on every rank of `groups` for the first rule any rank saw, with this
+    rank's detail when it saw it.
+    """
+    local = [int(detail is not None) for _, detail in rules] + [int(h) for h in has_grad]
+    flags = torch.tensor(local, dtype=torch.int32, device=device)
+    for group in groups:
+        dist.all_reduce(flags, group=group)
+    counts = flags.tolist()
+    for (rule, detail), count in zip(rules, counts):
+        if count:
+            here = f"; on this rank: {detail}" if detail is not None else ""
+            raise ValueError(f"{rule} (seen on {count} rank(s) of the group{here})")
+    return [c > 0 for c in counts[len(rules):]]
+
+
+@torch.no_grad()
+def fill_missing_grads(params, anywhere):
+    """Give each param that some rank has a grad for, and this rank not, a zero grad.
+
+    The zero goes where the optimizer reads: fp32 `main_grad` for a param that keeps one
+    (`register_main_grad_hooks`), else `grad` in the param's dtype. Returns the filled params.
+    """
+    filled = []
+    for p, some_rank in zip(params, anywhere):
+        if some_rank and _grad(p) is None:
+            if hasattr(p, "main_grad"):
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            else:
+                p.grad = torch.zeros_like(p)
+            filled.append(p)
+    return filled
+
+
+@torch.no_grad()
+def agreed_all_reduce_mean(params, group):
+    """dp sync of `params`' grads (Paddle's HybridParallelOptimizer `_hybrid_sync_grad` ->
+    `fused_allreduce_gradients`, unfused) with the same collectives on every rank of
+    `group`: agree which params have a grad anywhere, fill zeros, all-reduce the mean in
+    place (grads keep their dtype; fp32 `main_grad` where set). A param without a grad on
+    every rank keeps None (not stepped)."""
+    params = list(params)
+    if not params:
+        return
+    anywhere = agree([_grad(p) is not None for p in params], [], [group], params[0].device)
+    fill_missing_grads(params, anywhere)
+    all_reduce_mean([_grad(p) for p, a in zip(params, anywhere) if a], group)
+
+
+# ============================================================================================
+# fp32 master weights: MixPrecisionOptimizer
+# ============================================================================================
+
+# fp32 master weights for low-precision params: Paddle's `MixPrecisionOptimizer` in torch.
+#
+# Mirrors `MixPrecisionOptimizer` in
+# `python/paddle/distributed/fleet/utils/mix_precision_utils.py` at commit 9b40c67f672f, plus the
+# fp32 master weights that Paddle's `multi_precision` optimizers keep (torch optimizers have none).
+# Sharding v1 / v2 step their owned params / slice params through it.
+
+def _hyper(group):
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _needs_master(t):
+    # bf16 / fp16 only: an fp64 param steps in fp64 (an fp32 master would round it).
+    return t.is_floating_point() and t.element_size() < 4
+
+
+class MixPrecisionOptimizer(_Wrapper):
+    """Step `optimizer`'s class and hyper-parameters on fp32 masters, reading `main_grad`.
+
+    Each *target* (a model param, or a v2 slice param) of dtype bf16 / fp16 gets an fp32
+    master; `step()` feeds it `main_grad` (fp32) or the grad, steps, copies the master back
+    into the target and drops the master's grad, so no reference outlives the step (a released
+    buffer must be freeable). fp32 / fp64 targets are stepped directly (a pass-through). A
+    target written since the last copy-back (the model's weights loaded or changed after the
+    optimizer was built) has its master reloaded from it at the next `step()`, as Megatron
+    reloads model params into its masters: the loaded value is what trains.
+
+    Args:
+        optimizer: a torch optimizer; used as a template (class, groups, hyper-parameters).
+        params: one list of targets per param group of `optimizer`; default its own params.
+            Targets may be empty placeholders filled later (v2 slices); masters follow them.
+    `param_groups` / `state` hold the masters in place of low-precision targets.
+    Raises ValueError for a param given twice, and if `step()` gets a closure or is driven
+    by `torch.amp.GradScaler`.
+    """
+
+    def __init__(self, optimizer, params=None):
+        if carries_state(optimizer):  # the sharding wrappers agree on this first
+            raise ValueError(f"{template_state_message(type(self).__name__, optimizer)}; "
+                             f"it holds state for {len(optimizer.state)} param(s)")
+        if params is None:
+            params = [g["params"] for g in optimizer.param_groups]
+        self._targets, self._masters = [], {}
+        groups = [self._master_group(group, targets)
+                  for group, targets in zip(optimizer.param_groups, params)]
+        self._inner_opt = _rebuilt(optimizer, groups)
+        self._expose(self._inner_opt)
+        # The template's hyper-parameters as built: an LR scheduler built on the template
+        # (before wrapping) would change them there, where nothing steps (check_template).
+        self._template = optimizer
+        self._template_hyper = [_hyper(g) for g in optimizer.param_groups]
+
+    def _master_group(self, group, targets):
+        """`group`'s hyper-parameters over `targets`, masters in place of bf16 / fp16 ones."""
+        targets = [targets] if isinstance(targets, torch.Tensor) else list(targets)
+        known = {id(t) for t in self._targets}
+        if any(id(t) in known for t in targets) or len({id(t) for t in targets}) < len(targets):
+            raise ValueError("some params are already in the optimizer (or repeated); a param "
+                             "belongs to one group")
+        self._targets += targets
+        self._masters.update({t: t.detach().float() for t in targets if _needs_master(t)})
+        return {**_hyper(group), "params": [self._masters.get(t, t) for t in targets]}
+
+    def check_template(self):
+        """Raise ValueError if the torch optimizer passed in had its hyper-parameters changed
+        since (e.g. by an LR scheduler built on it before wrapping): they never reach the
+        steps, which read `self.param_groups`. Rank-independent (every rank runs the same
+        scheduler), so the sharding wrappers call it before any collective."""
+        for i, (group, built) in enumerate(zip(self._template.param_groups,
+                                               self._template_hyper)):
+            changed = {k: (built.get(k), v) for k, v in _hyper(group).items()
+                       if built.get(k) != v and k != "initial_lr"}
+            if changed:
+                raise ValueError(f"the torch optimizer that was wrapped changed after wrapping "
+                                 f"(group {i}, (built, now): {changed}), e.g. by an LR scheduler "
+                                 "built on it; the wrapper steps with its own param_groups. "
+                                 "Build the scheduler on the wrapper, set the values there")
+
+    def add_param_group(self, param_group):
+        """torch's `add_param_group`: the new targets get masters as at construction."""
+        self._inner_opt.add_param_group(self._master_group(param_group, param_group["params"]))
+
+    @torch.no_grad()
+    def _reload_if_changed(self, t, master):
+        if master.shape != t.shape:  # a v2 slice was filled after construction
+            master.data = t.detach().float()
+        elif not torch.equal(master.to(t.dtype), t):
+            # Beyond Paddle: written behind our back (e.g. model.load_state_dict after the
+            # optimizer was built). Compared by value: `_version` misses writes through
+            # another view of the same buffer into a v2 slice rebound with `.data =`.
+            master.copy_(t)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step on every target that has a main_grad or grad (others skipped)."""
+        self._check_step_args(closure)
+        self.check_template()
+        bound = []
+        for t in self._targets:
+            main_grad, master = getattr(t, "main_grad", None), self._masters.get(t)
+            if master is not None:
+                grad = _grad(t)
+                if grad is not None:
+                    self._reload_if_changed(t, master)
+                master.grad = None if grad is None else grad.float()  # no copy for fp32
+                bound.append(master)
+            elif main_grad is not None:  # fp32 param with an fp32 main_grad
+                t.grad = main_grad
+                bound.append(t)
+        self._inner_opt.step()
+        for t, master in self._masters.items():
+            if master.grad is not None:
+                t.copy_(master)
+        for p in bound:
+            p.grad = None
+
+    @torch.no_grad()
+    def clear_grad(self, set_to_zero=True):
+        """Zero every target's main_grad / grad in place, or drop them (Paddle's clear_grad)."""
+        for t in self._targets:
+            _clear(t, set_to_zero)
+
+    def _local_state_dict(self):
+        """The inner optimizer's state plus the fp32 masters (in target order)."""
+        return {"inner": self._inner_opt.state_dict(),
+                "masters": [m.clone() for m in self._masters.values()]}
+
+    def _load_local_state_dict(self, state_dict):
+        """Load what `state_dict()` returned, masters included; a target that differs from
+        its loaded master at the next step (the model not loaded alike) reloads it."""
+        if "inner" not in state_dict:  # a plain torch optimizer's state_dict(), same params
+            self._inner_opt.load_state_dict(state_dict)  # masters stay the targets' values
+            return
+        self._inner_opt.load_state_dict(state_dict["inner"])
+        for m, saved in zip(self._masters.values(), state_dict["masters"]):
+            m.data = saved.clone()
+
+
+def _rebuilt(optimizer, groups):
+    """A new optimizer of `optimizer`'s class and hyper-parameters over `groups`."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(groups, **kwargs)  # AdamW's defaults hold extra keys
+
+
+def carries_state(optimizer):
+    """True if `optimizer` holds state that a new one over the same params would not have
+    (it was stepped or loaded). Some optimizers (Adagrad) create their state when built:
+    that initial state is compared with a fresh optimizer's, not counted."""
+    if not optimizer.state:
+        return False
+    fresh = _rebuilt(optimizer, [{**_hyper(g), "params": g["params"]}
+                                 for g in optimizer.param_groups])
+    for p, state in optimizer.state.items():
+        new = fresh.state.get(p, {})
+        if set(state) != set(new) or not all(
+                torch.equal(torch.as_tensor(v), torch.as_tensor(new[k]))
+                for k, v in state.items()):
+            return True
+    return False
+
+
+def template_state_message(wrapper, optimizer):
+    """The error for a torch optimizer that already has state when it is wrapped."""
+    return (f"the torch optimizer handed to {wrapper} ({type(optimizer).__name__}) already has "
+            "state (it was stepped or loaded); the "
+            "wrapper uses it only as a template (class, groups, hyper-parameters) and would "
+            "drop that state. Wrap a fresh optimizer, then call "
+            "wrapper.load_state_dict(saved_optimizer_state_dict) (a plain torch state_dict "
+            "is accepted)")
+
+
+# ============================================================================================
+# Clipping by the global norm (the torch-shaped clip_grad_norm_)
+# ============================================================================================
+
+# Clipping by the global grad norm of a model split over sharding ranks and pipeline stages, as
+# Paddle's HybridParallelClipGrad runs it: each rank sums the squares of the grads its optimizer
+# steps (what it owns; v2: its slices without padding), in fp32 whatever the grad dtype, so that
+# every element is counted on exactly one sharding rank; the partial sums are all-reduced over
+# the sharding group, then the pipe group (`norm_groups`); dp replicas hold equal grads after the
+# dp all-reduce, so dp is not summed. A tied copy with `is_firstly_shared=False` is scaled but not
+# counted; `need_clip=False` leaves a param out of both. Every rank issues the all-reduces, also
+# with nothing to count (it adds 0). Phases: square and sum -> all-reduce -> scale.
+# The wrappers' torch-shaped `clip_grad_norm_` and `relgrad_extras.grad_clip`'s
+# ClipGradByGlobalNorm (Paddle's class, passed as `grad_clip=`) both call
+# `clip_grads_by_global_norm`; they differ only in the coefficient (see there).
+
+CLIP_EPS = 1e-6  # Paddle's (and torch's) epsilon in the coefficient's denominator
+
+
+def norm_groups(hcg):
+    """The groups whose all-reduce (SUM) turns a rank's squares into the model's: sharding (if
+    sharding_degree > 1), then pipe (if pp_degree > 1), as in Paddle's HybridParallelClipGrad.
+
+    Reads `hcg.get_{sharding,pipe}_parallel_{world_size,group}()`. Returns a list of groups.
+    """
+    groups = []
+    if hcg.get_sharding_parallel_world_size() > 1:
+        groups.append(hcg.get_sharding_parallel_group())
+    if hcg.get_pipe_parallel_world_size() > 1:
+        groups.append(hcg.get_pipe_parallel_group())
+    return groups
+
+
+@torch.no_grad()
+def clip_grads_by_global_norm(params_grads, max_norm, groups=(), device=None,
+                              coefficient="paddle"):
+    """Scale grads in place by the global L2 norm summed over `groups`; return that norm.
+
+    Args:
+        params_grads: list of `(param, grad)`; `grad` is the tensor the optimizer will read
+            (any shape; fp32, bf16 or fp16; a view is scaled in place) or None (skipped).
+            `param` carries the flags `need_clip` (False: out of the sum, unscaled; Paddle's)
+            and `is_firstly_shared` (False: out of the sum only; a tied weight's later copy).
+        max_norm: float > 0.
+        groups: process groups to all-reduce (SUM) the fp32 sum of squares over, in order,
+            e.g. `norm_groups(hcg)`. Every rank of each group must call with the same groups.
+        device: where the sum lives when no grad is given (default: the first grad's device,
+            else cpu); pass the collective's device under nccl.
+        coefficient: "paddle": `max_norm / (max(norm, max_norm) + 1e-6)`, also applied when
+            the norm is below max_norm (Paddle's ClipGradByGlobalNorm); "torch":
+            `min(max_norm / (norm + 1e-6), 1)` (torch's `clip_grad_norm_`). Above max_norm
+            the two agree. The coefficient is cast to a bf16 / fp16 grad's dtype, as both do.
+    Returns the norm before clipping, a 0-d fp32 tensor, equal on every rank of `groups`.
+    Mirrors Paddle's `HybridParallelClipGrad._dygraph_clip` (no mp-split params).
+    """
+    pairs = [(p, g) for p, g in params_grads if g is not None and getattr(p, "need_clip", True)]
+    squares = [g.float().square().sum() for p, g in pairs  # fp32 whatever the grad dtype
+               if getattr(p, "is_firstly_shared", True)]
+    if device is None:
+        device = pairs[0][1].device if pairs else torch.device("cpu")
+    total = (torch.stack(squares).sum() if squares
+             else torch.zeros((), dtype=torch.float32, device=device))
+    for group in groups:
+        dist.all_reduce(total, group=group)
+    norm = total.sqrt()
+    clip = torch.tensor(float(max_norm), dtype=torch.float32, device=norm.device)
+    if coefficient == "paddle":
+        coef = clip / (torch.maximum(norm, clip) + CLIP_EPS)
+    else:
+        coef = torch.clamp(clip / (norm + CLIP_EPS), max=1.0)
+    for _, g in pairs:
+        g.mul_(coef.to(g.dtype))
+    return norm
+
+
+# ============================================================================================
+# Per-rank checkpoints (consolidated ones: relgrad_extras/checkpoint.py)
+# ============================================================================================
+
+LAYOUT_KEY = "sharding_layout"  # tags a per-rank state_dict() with the layout it fits
+_FIX = ("save the dict that opt.consolidate_state_dict(to=0) returns on rank 0 (every rank "
+        "calls it) and pass that dict to load_state_dict on every rank: it loads into any "
+        "sharding degree")
+
+
+# ---------------------------------------------------------------- what this rank holds
+
+def _is_v2(opt):
+    return hasattr(opt, "_slice_params")
+
+
+def _targets(opt):
+    """The tensors the inner optimizer steps, in its param order (v1 params, v2 slices)."""
+    return opt._inner_opt._targets
+
+
+def _masters(opt):
+    """target -> fp32 master, for the targets that have one (MixPrecisionOptimizer's)."""
+    return opt._inner_opt._masters
+
+
+def _torch_opt(opt):
+    """The torch optimizer that steps (over the masters or the fp32 targets)."""
+    return opt._inner_opt._inner_opt
+
+
+def _layout_known(opt):
+    """v2 knows its slices once it has its buffers (under pp overlap: the pipeline's)."""
+    return not _is_v2(opt) or bool(opt._comm_buffer_list)
+
+
+def _target_index(opt):
+    """target -> index of its param in the optimizer's param list (for every target)."""
+    index = {p: i for i, p in enumerate(opt._parameter_list)}
+    if _is_v2(opt):
+        return {opt._slice_params[p]: i for p, i in index.items()}
+    return index
+
+
+def _local_pieces(opt):
+    """{param index: (target, lo, real, view)} for each param this rank steps elements of.
+
+    `lo`: offset of the target's first element in the flattened param; `real`: how many of
+    the target's elements are the param's (the rest, v2 only, is padding); `view`: v2's
+    ShardingGradView (None for v1). Empty for v2 before its buffers exist.
+    """
+    pieces = {}
+    if _is_v2(opt):
+        views = {}
+        for buffer in opt._comm_buffer_list:
+            views.update(buffer._sharding_param_grad_view)
+        for i, p in enumerate(opt._parameter_list):
+            view = views.get(p)  # None: frozen at construction, so never stepped
+            if view is not None and view._has_local:
+                real = min(view._param_end, view._index + p.numel()) - view._param_begin
+                lo = view._param_begin - view._index
+                pieces[i] = (opt._slice_params[p], lo, real, view)
+    else:
+        for i, p in enumerate(opt._parameter_list):
+            if opt._param2rank[p] == opt._rank:
+                pieces[i] = (p, 0, p.numel(), None)
+    return pieces
+
+
+def _local_groups(opt):
+    """Per inner param group: the param indices of its targets (v1: owned only)."""
+    index, targets, groups, start = _target_index(opt), _targets(opt), [], 0
+    for group in _torch_opt(opt).param_groups:
+        groups.append([index[t] for t in targets[start : start + len(group["params"])]])
+        start += len(group["params"])
+    return groups
+
+
+def layout(opt):
+    """What a per-rank state fits: version, degree, rank, param shapes, owners / slices."""
+    params = opt._parameter_list
+    result = {"version": 2 if _is_v2(opt) else 1, "sharding_degree": opt._nranks,
+              "sharding_rank": opt._rank, "shapes": [tuple(p.shape) for p in params]}
+    if not _is_v2(opt):
+        result["owners"] = [opt._param2rank[p] for p in params]
+    elif _layout_known(opt):
+        pieces = _local_pieces(opt)
+        result["slices"] = [pieces[i][1:3] if i in pieces else None for i in range(len(params))]
+    else:
+        result["slices"] = None  # unknown until the pipeline has built the buffers
+    return result
+
+
+# ---------------------------------------------------------------- collectives
+
+def _all_gather(obj, group):
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _full_groups(opt):
+    """Per param group, all its param indices: the union over the sharding group (v1 ranks
+    each know only their own params). A collective over the sharding group."""
+    gathered = _all_gather(_local_groups(opt), opt._group)
+    return [sorted(set().union(*(rank_groups[g] for rank_groups in gathered)))
+            for g in range(len(gathered[0]))]
+
+
+def _agree_on_problem(opt, problem):
+    """Raise ValueError on every rank of the sharding and dp groups if any rank has a problem."""
+    problems = _all_gather(problem and (dist.get_rank(), problem), opt._group)
+    if opt._hcg.get_data_parallel_world_size() > 1:
+        problems = [p for ps in _all_gather(problems, opt._hcg.get_data_parallel_group())
+                    for p in ps]
+    texts = {}
+    for found in filter(None, problems):
+        texts.setdefault(found[1], []).append(found[0])
+    if texts:
+        raise ValueError("\n".join(f"{text} [seen on global rank(s) {sorted(set(ranks))}]"
+                                   for text, ranks in texts.items()))
+
+
+# ---------------------------------------------------------------- consolidate
+
+
+def _check_own(opt, saved):
+    here = layout(opt)
+    diffs = [f"{k}: saved {saved.get(k)!r}, here {here[k]!r}" for k in here
+             if saved.get(k) != here[k] and not (k == "slices" and None in (saved.get(k),
+                                                                               here[k]))]
+    if not diffs:
+        return None
+    shown = "; ".join(d if len(d) < 200 else d[:200] + "..." for d in diffs)
+    return ("load_state_dict: a per-rank state_dict() loads only into the layout it was saved "
+            "from (same sharding version, sharding degree, sharding rank, param shapes and "
+            f"owners / slices); on global rank {dist.get_rank()} it differs: {shown}. To load "
+            f"into another layout, {_FIX}")
+
+
+EXTRAS_FOLDER = "relgrad_extras"  # beyond-seed features; the core imports them at the call
+
+
+def _extras(module, what):
+    """Import `relgrad_extras.<module>` for `what`; ImportError naming the folder to copy."""
+    try:
+        return importlib.import_module(f"{EXTRAS_FOLDER}.{module}")
+    except ModuleNotFoundError as error:
+        if error.name not in (EXTRAS_FOLDER, f"{EXTRAS_FOLDER}.{module}"):
+            raise
+        raise ImportError(f"{what} lives in {EXTRAS_FOLDER}/{module}.py, which is not on the "
+                          f"path: copy the folder {EXTRAS_FOLDER}/ beside sharding.py (the "
+                          "card's modules alone load only this rank's own state_dict())"
+                          ) from error
+
+
+def _check_loadable(state_dict):
+    """The problem with a state that is neither per-rank nor consolidated, or None."""
+    if state_dict is None:
+        return ("load_state_dict got None: consolidate_state_dict(to) returns the state on "
+                f"sharding rank `to` only, None elsewhere. {_FIX[0].upper() + _FIX[1:]}")
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+        seen = (f"keys {sorted(map(str, state_dict))}" if isinstance(state_dict, dict)
+                else f"a {type(state_dict).__name__}")
+        return ("load_state_dict takes this rank's state_dict() (it has the key "
+                f"'{LAYOUT_KEY}') or a consolidated / plain torch one (keys 'state' and "
+                f"'param_groups'); got {seen}. To move between world sizes, {_FIX}")
+    return None
+
+
+def _load(opt, state_dict, load_own):
+    """`load_state_dict`'s work: a per-rank state goes to `load_own` after its layout is
+    checked; a consolidated (or plain torch) state is cut into this rank's pieces by
+    `relgrad_extras.checkpoint`. Every rank issues the same collectives, whatever it was
+    given, and raises the same error if any rank's dict is wrong."""
+    groups = _full_groups(opt)
+    own = isinstance(state_dict, dict) and LAYOUT_KEY in state_dict
+    ckpt, missing = None, None
+    try:  # a malformed dict must not leave the other ranks waiting in _agree
+        problem = _check_own(opt, state_dict[LAYOUT_KEY]) if own else _check_loadable(state_dict)
+        if problem is None and not own:
+            try:
+                ckpt = _extras("checkpoint", "Loading a consolidated (or plain torch) state")
+            except ImportError as error:
+                missing = problem = str(error)
+            else:
+                problem = ckpt.check_full(opt, state_dict, groups)
+    except Exception as error:  # noqa: BLE001 (reported on every rank below)
+        problem = (f"load_state_dict could not read the state dict ({type(error).__name__}: "
+                   f"{error}); pass this rank's state_dict() or a consolidated one")
+    try:
+        _agree_on_problem(opt, problem)
+    except ValueError as error:
+        if missing is not None:
+            raise ImportError(str(error)) from None
+        raise
+    opt._pending_state = None
+    if own:
+        load_own({k: v for k, v in state_dict.items() if k != LAYOUT_KEY})
+    else:
+        ckpt.load_full(opt, state_dict, groups)
+
+
+class _ShardingCheckpoint:
+    """The checkpoint methods of sharding v1 / v2 (mixed into `_Sharding` before `_Wrapper`,
+    whose `state_dict` / `load_state_dict` run torch's hooks around these)."""
+
+    def _local_state_dict(self):
+        """This rank's shard of the state (fast; loads only into the same layout).
+
+        The inner state plus `"sharding_layout"`: version, sharding degree and rank, param
+        shapes and owners (v1) / slices (v2), so that `load_state_dict` can refuse another
+        layout. `state_dict()` returns it through torch's hooks. For a checkpoint that loads
+        into any sharding degree (or a plain torch optimizer), use `consolidate_state_dict`.
+        """
+        return {**super()._local_state_dict(), LAYOUT_KEY: layout(self)}
+
+    def consolidate_state_dict(self, to=0):
+        """Gather the whole optimizer state, in torch's one-process format, on sharding rank `to`.
+
+        Collective over the sharding group: call it on every rank. Returns on rank `to` a dict
+        like `torch.optim.Optimizer.state_dict()` of one optimizer over all params (v2's slices
+        joined, padding dropped; `"master_weights"` beside it for fp32 masters), None on the
+        others; see `relgrad_extras.checkpoint.consolidate`. Mirrors torch's
+        `ZeroRedundancyOptimizer.consolidate_state_dict` (Paddle merges shards in its trainer:
+        PaddleNLP `sharding_io.py`). Raises ValueError (on every rank) for a `to` outside
+        [0, sharding degree); ImportError naming `relgrad_extras/` if that folder was not
+        copied (the same on every rank, before any communication).
+        """
+        return _extras("checkpoint", "consolidate_state_dict").consolidate(self, to)
+
+    def load_state_dict(self, state_dict):
+        """Load this rank's `state_dict()`, or a consolidated / plain torch one re-sharded.
+
+        A per-rank dict loads only into the layout it was saved from. A consolidated dict (from
+        `consolidate_state_dict` on any sharding degree, or a plain torch optimizer over the
+        same params and groups) is passed on every rank and cut by `relgrad_extras.checkpoint`:
+        each rank keeps its own params (v1) or cuts its slices (v2), the hyper-parameters
+        (lr, `initial_lr`, ...) are visible in `param_groups` at once, and the fp32 masters
+        load if present. Collective over the sharding (and dp) group: call it on every rank.
+        Allocates no grad and no grad buffer. Raises ValueError on every rank if any rank got a
+        per-rank state of another layout, None, or a state of another model (nothing is loaded
+        then); ImportError on every rank for a consolidated state without `relgrad_extras/`.
+        """
+        if not isinstance(state_dict, dict):  # e.g. None off rank `to`: torch's hooks would
+            _load(self, state_dict, None)  # fail here alone; this raises everywhere
+        super().load_state_dict(state_dict)  # torch's hooks, then _load_local_state_dict
+
+    def _load_local_state_dict(self, state_dict):
+        """What `load_state_dict` does after torch's pre-hooks (see there)."""
+        _load(self, state_dict, super()._load_local_state_dict)
+
+    def _apply_pending_state(self):
+        """Cut a consolidated state loaded before v2's buffers existed (once they do)."""
+        if getattr(self, "_pending_state", None) is not None:
+            _extras("checkpoint", "a consolidated state").apply_pending(self)
+
+
+# ============================================================================================
+# Sharding's own comm overlap (sharding_configs.comm_overlap, no pipeline)
+# ============================================================================================
+
+# Sharding's own comm overlap (`sharding_configs.comm_overlap`, no pipeline): hooks, checks.
+#
+# What `sharding._Sharding` (v1 and v2) mixes in to hook its own `FusedCommBuffer`s to the params
+# and to wait for them at `step()`, as Paddle's `DygraphShardingOptimizerV2` does with
+# `register_reduce_overlap_hook(use_comm=True)` and `scale_grads()` in `reduce_gradients`
+# (`dygraph_sharding_optimizer.py`; v1's counterpart is its tensor fusion). Beyond Paddle, the
+# ranks agree before waiting that every bucket's collective was issued everywhere, and a backward
+# pass too many raises, on every rank, instead of hanging or failing an assert on one rank.
+
+class _OwnOverlap:
+    """Mixed into the sharding optimizers; expects `pp_overlap`, `pp_release_grads`,
+    `_buffers_released`, `_group`, `_nranks`, `_parameter_list` set by `_setup`, and
+    `_own_buffers()` (v1 also `_param2rank` and `_comm_buffers`)."""
+
+    def _setup_own_overlap(self, strategy):
+        """Read and check `sharding_configs.comm_overlap` and `free_grads_in_comm`."""
+        sharding_config = strategy.hybrid_configs["sharding_configs"]
+        self.comm_overlap = sharding_config.comm_overlap
+        self._free_grads_in_comm = sharding_config.free_grads_in_comm
+        if self.comm_overlap and self.pp_overlap:  # Paddle asserts this for v1 and v2
+            raise ValueError("sharding_configs.comm_overlap and pp_configs.sharding_comm_overlap "
+                             "cannot both be on: under the pipeline its own hooks reduce the "
+                             "grads; turn sharding_configs.comm_overlap off")
+        pp_degree = strategy.hybrid_configs["pp_degree"]
+        if self.comm_overlap and pp_degree > 1:  # Paddle asserts this for v2; here for v1 too
+            raise ValueError(f"sharding_configs.comm_overlap needs pp_degree 1, got {pp_degree}: "
+                             "with a pipeline use pp_configs.sharding_comm_overlap instead")
+        if self._free_grads_in_comm and not self._buffers_released:
+            raise ValueError("sharding_configs.free_grads_in_comm needs release: turn on "
+                             "pp_configs.release_gradients (the pipeline's buffers under "
+                             "pp_configs.sharding_comm_overlap follow that flag alone) or, "
+                             "without pipeline overlap, sharding_configs.release_gradients")
+
+    def _build_owner_buffers(self, acc_steps, group_size=256 * 1024 * 1024):
+        """v1 with comm_overlap: fill `_comm_buffers` with REDUCE buffers grouped by owner
+        (each owner's trainable params, in model order) and hook them to the params.
+
+        Differs from Paddle's v1 tensor fusion (`fused_parameters`), which also fuses the params
+        and the optimizer into flat tensors (fuse_param, which Paddle does not allow with
+        release) and scales before the reduce on every rank; here the params stay as they are,
+        release works, and only the owner scales, after the reduce.
+        """
+        for rank in range(self._nranks):
+            params = [p for p in self._parameter_list
+                      if p.requires_grad and self._param2rank[p] == rank]
+            dst = global_rank(self._group, rank)
+            for bucket in assign_group_by_size(params, group_size).values():
+                self._comm_buffers.append(FusedCommBuffer(
+                    len(self._comm_buffers), bucket, self._group, acc_steps, HOOK_ACTION.REDUCE,
+                    dst, release_grads=self.pp_release_grads,
+                    free_grads_in_comm=self._free_grads_in_comm))
+        self._register_own_hooks(self._comm_buffers)
+
+    def _register_own_hooks(self, buffers):
+        """comm_overlap: check every bucket param in to its buffer after each backward.
+
+        Registered at construction, so after any `register_main_grad_hooks` (torch runs them
+        in registration order; the other order raises at the first check-in). Hooks hold the
+        optimizer and buffers weakly and are removed when the optimizer is collected.
+        """
+        handles = [p.register_post_accumulate_grad_hook(_own_overlap_hook(self, b, p))
+                   for b in buffers for p in b.params]
+        weakref.finalize(self, _remove_hooks, handles)
+
+    def _too_many_micro_batches(self, buffers):
+        # Beyond Paddle (whose add_grad asserts): finish what is in flight on every rank (the
+        # same collectives were issued everywhere), reset the check-ins, then raise.
+        for buffer in buffers:
+            if buffer._task is not None:
+                buffer._task.wait()
+            buffer._reset_params_checked_in()
+        raise ValueError(f"sharding_configs.accumulate_steps={buffers[0]._acc_steps}, but a "
+                         "backward pass ran after every param had checked in that many times "
+                         "and the collectives had been issued: call step() after exactly "
+                         "accumulate_steps backward passes, or set accumulate_steps to the "
+                         "number of backward passes per step")
+
+    def _wait_own_buffers(self, buffers):
+        """comm_overlap: at step(), wait for and scale every bucket the hooks reduced.
+
+        Paddle calls `scale_grads()` on each buffer. Beyond Paddle, the ranks first agree (one
+        all-reduce of one int per bucket) that every bucket's collective was issued on every
+        rank: a param that got no grad, or fewer backward passes than accumulate_steps, leaves
+        a bucket unissued, and waiting for it would block. Then each rank raises ValueError
+        (after waiting for the buckets that were issued everywhere, so nothing is left in
+        flight). A param used on some ranks only cannot be caught so: its bucket's collective
+        is already unmatched (DDP's find_unused_parameters walks the graph for that).
+        """
+        if not buffers:
+            return
+        device = buffers[0].params[0].device
+        issued = torch.tensor([b._task is not None for b in buffers], dtype=torch.int32,
+                              device=device)
+        dist.all_reduce(issued, group=self._group)
+        issued = issued.tolist()
+        if all(n == self._nranks for n in issued):
+            for buffer in buffers:
+                buffer.scale_grads()
+            return
+        missing = [f"bucket {b._id} ({b._check_in_status()})"
+                   for b, n in zip(buffers, issued) if n < self._nranks]
+        for buffer, n in zip(buffers, issued):
+            if n == self._nranks:
+                buffer._task.wait()
+            if n in (0, self._nranks):
+                buffer._reset_params_checked_in()
+        raise ValueError(
+            "sharding_configs.comm_overlap: step() found buckets whose collective was not "
+            f"issued on every rank: {'; '.join(missing)}. Every trainable param must get a grad "
+            f"in each of accumulate_steps={buffers[0]._acc_steps} backward passes before "
+            "step(): leave unused params out of the optimizer (or set requires_grad=False "
+            "before building it), run exactly accumulate_steps backwards per step, and "
+            "clear grads only after step() (with release, zero_grad() between the backwards "
+            "of a step drops the half-accumulated buffer and its check-ins)")
+
+
+def _own_overlap_hook(optimizer, buffer, param):
+    """`bw_hook_func(buffer, param)` that first raises (via the optimizer, on every rank)
+    when a bucket whose collective is already in flight checks in again."""
+    check_in = bw_hook_func(buffer, param)
+    optimizer_ref, buffer_ref = weakref.ref(optimizer), weakref.ref(buffer)
+
+    def hook(param):
+        optimizer, buffer = optimizer_ref(), buffer_ref()
+        if optimizer is not None and buffer is not None and buffer._task is not None:
+            optimizer._too_many_micro_batches(optimizer._own_buffers())
+        check_in(param)
+
+    return hook
+
+
+def _remove_hooks(handles):
+    for handle in handles:
+        handle.remove()
+
+
+# ============================================================================================
+# Sharding v1 and v2
+# ============================================================================================
 
 _ERASE_MSG = ("should not erase grad buffer: with release_gradients off the grads are views of "
               "a fused buffer that must persist, so clear_grad(set_to_zero=False) / "
@@ -66,14 +929,19 @@ _NO_GRAD_MSG = ("no param has a grad on any rank at step(): did zero_grad() run 
 
 
 def _check_grad_clip(grad_clip):
-    if grad_clip is not None and not isinstance(grad_clip, ClipGradByGlobalNorm):
-        raise TypeError(f"grad_clip must be None or grad_clip.ClipGradByGlobalNorm, got "
-                        f"{type(grad_clip).__name__}; torch's clip_grad_norm_ on a rank's own "
-                        "grads would see only its shard, unreduced")
+    """`grad_clip` as Paddle passes it to an optimizer: None, or an object in the shape of
+    Paddle's ClipGradByGlobalNorm (`relgrad_extras.grad_clip`): a `clip_norm` attribute and
+    `grad_clip(params_grads, groups, device)`. Raises TypeError for anything else (torch's
+    `clip_grad_norm_` on a rank's own grads would see only its shard, unreduced)."""
+    if grad_clip is not None and not (callable(grad_clip) and hasattr(grad_clip, "clip_norm")):
+        raise TypeError(f"grad_clip must be None or a Paddle-style clip such as "
+                        f"relgrad_extras.grad_clip.ClipGradByGlobalNorm, got "
+                        f"{type(grad_clip).__name__}; for torch's clip_grad_norm_ call "
+                        "opt.clip_grad_norm_(max_norm) between backward and opt.step()")
     return grad_clip
 
 
-class _Sharding(_OwnOverlap, ShardingCheckpoint, _Wrapper):
+class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
     """What v1 and v2 share: flags, groups, whether to all-reduce over dp, and the agreement
     on grads and misuse that opens every `step()`."""
 
@@ -137,7 +1005,7 @@ class _Sharding(_OwnOverlap, ShardingCheckpoint, _Wrapper):
     def _agree_grads(self, has_grad, rules):
         """Beyond Paddle: agree on every rank of the sharding (and dp) group, in one small
         all-reduce per group, on the misuse `rules` (raised on every rank, see
-        `grad_agreement.agree`) and on which params have a grad anywhere; give the others a
+        `agree`) and on which params have a grad anywhere; give the others a
         zero grad here, so that every rank issues the same reduces. Returns the agreed flags,
         one per `_parameter_list` entry. Raises ValueError if no trainable param has a grad
         on any rank (Paddle's v2 fails there too; torch would silently step nothing)."""
@@ -466,7 +1334,7 @@ class DygraphShardingOptimizerV2(_Sharding):
             raise RuntimeError("sharding v2 found no REDUCE_SCATTER buffers: with "
                                "pp_configs.sharding_comm_overlap the pipeline builds them in "
                                "its first train_batch; step() must run inside train_batch")
-        sharding_state.apply_pending(self)  # a consolidated state loaded before the buffers
+        self._apply_pending_state()  # a consolidated state loaded before the buffers
 
     @torch.no_grad()
     def reduce_gradients(self, parameter_list, hcg):

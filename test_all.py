@@ -27,10 +27,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import comm_buffer
-from checks import (checkpoints, clipping, contract, demo_peers, fused_buffer, interleave,
+from relgrad_checks import (checkpoints, clipping, contract, demo_peers, fused_buffer, interleave,
                     pipe, sharding_overlap, zero)
-from demo.memory import live_grad_bytes
-from grad_clip import ClipGradByGlobalNorm
+from relgrad_demo.memory import live_grad_bytes
+from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch)
 
 # Seconds a scenario may run on its ranks; a hang fails the test instead of blocking the suite.
@@ -682,7 +682,7 @@ def test_cli_help_and_effective_strategy(capsys):
     """Check --help describes the command with every default, and the strategy that runs has
     overlap only where the layout allows it (--pp 1: none), whatever --overlap says."""
     import relgrad
-    from demo.job import make_strategy
+    from relgrad_demo.job import make_strategy
     with pytest.raises(SystemExit):
         relgrad.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -716,7 +716,7 @@ def test_peers_agree(ranks):
     """Check --peers' systems on one tiny LM: DDP + ZeRO bitwise equal to sharding v2, FSDP2
     within 1e-6, v2 with release holding about the grad bytes less between steps; and the
     --peers --json schema."""
-    from demo import peers
+    from relgrad_demo import peers
     results = ranks(2).run(demo_peers.peers_agree)
     summary = peers.summarize(results, demo_peers.OPTS)
     assert set(summary) == {"config", "baseline", "systems"}

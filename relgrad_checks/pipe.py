@@ -14,7 +14,7 @@ from comm_buffer import FusedCommBuffer
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from checks.common import (OPTIMIZERS, PIPE_SIZES, _data, _mlp, _mse, _pipe_layers, _released,
+from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _data, _mlp, _mse, _pipe_layers, _released,
                            _same_on_all, _strategy)
 
 

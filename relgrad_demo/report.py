@@ -37,8 +37,8 @@ lists marked "per rank" are indexed by global rank):
 import dataclasses
 import statistics
 
-from demo.job import MODES, make_strategy
-from demo.phases import PHASES
+from relgrad_demo.job import MODES, make_strategy
+from relgrad_demo.phases import PHASES
 
 WIDE = 0.2  # a ratio's middle half wider than this, spanning 1.0, decides nothing
 

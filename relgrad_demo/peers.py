@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from demo.job import PipelineRun, make_strategy, warm_up_then_measure
-from demo.lm import Corpus, lm_layers, lm_loss
-from demo.report import quartiles, time_ratio
+from relgrad_demo.job import PipelineRun, make_strategy, warm_up_then_measure
+from relgrad_demo.lm import Corpus, lm_layers, lm_loss
+from relgrad_demo.report import quartiles, time_ratio
 from relgrad import HybridCommunicateGroup
 
 _now = time.perf_counter_ns

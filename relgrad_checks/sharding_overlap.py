@@ -13,7 +13,7 @@ from comm_buffer import HOOK_ACTION, FusedCommBuffer
 from pipeline import PipelineParallel
 from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from checks.common import (OPTIMIZERS, PIPE_SIZES, _data, _io, _mlp, _mse, _oracle,
+from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _data, _io, _mlp, _mse, _oracle,
                            _pipe_layers, _released, _same_on_all)
 
 

@@ -1,7 +1,9 @@
 """Consolidate and re-shard the optimizer state of sharding v1 / v2 (torch ZeRO's checkpoints).
 
 Mirrors torch's `ZeroRedundancyOptimizer.consolidate_state_dict` / `load_state_dict` for the
-optimizers of `sharding.py`. Paddle re-shards at the trainer level instead (PaddleNLP's
+optimizers of `sharding.py`, which imports this module at the call
+(`consolidate_state_dict`, or `load_state_dict` given a consolidated dict). The per-rank
+`state_dict()` and its layout check are the core's (`sharding.py`, per-rank checkpoints). Paddle re-shards at the trainer level instead (PaddleNLP's
 `trainer/utils/sharding_io.py` and `reshard/`: `merge_opt_state` / `split_opt_state`, keyed by
 param name); here it lives on the optimizer, as in torch, and params are keyed by index.
 
@@ -36,125 +38,8 @@ import torch
 import torch.distributed as dist
 
 from comm_buffer import global_rank
-
-LAYOUT_KEY = "sharding_layout"  # tags a per-rank state_dict() with the layout it fits
-_FIX = ("save the dict that opt.consolidate_state_dict(to=0) returns on rank 0 (every rank "
-        "calls it) and pass that dict to load_state_dict on every rank: it loads into any "
-        "sharding degree")
-
-
-# ---------------------------------------------------------------- what this rank holds
-
-def _is_v2(opt):
-    return hasattr(opt, "_slice_params")
-
-
-def _targets(opt):
-    """The tensors the inner optimizer steps, in its param order (v1 params, v2 slices)."""
-    return opt._inner_opt._targets
-
-
-def _masters(opt):
-    """target -> fp32 master, for the targets that have one (MixPrecisionOptimizer's)."""
-    return opt._inner_opt._masters
-
-
-def _torch_opt(opt):
-    """The torch optimizer that steps (over the masters or the fp32 targets)."""
-    return opt._inner_opt._inner_opt
-
-
-def _layout_known(opt):
-    """v2 knows its slices once it has its buffers (under pp overlap: the pipeline's)."""
-    return not _is_v2(opt) or bool(opt._comm_buffer_list)
-
-
-def _target_index(opt):
-    """target -> index of its param in the optimizer's param list (for every target)."""
-    index = {p: i for i, p in enumerate(opt._parameter_list)}
-    if _is_v2(opt):
-        return {opt._slice_params[p]: i for p, i in index.items()}
-    return index
-
-
-def _local_pieces(opt):
-    """{param index: (target, lo, real, view)} for each param this rank steps elements of.
-
-    `lo`: offset of the target's first element in the flattened param; `real`: how many of
-    the target's elements are the param's (the rest, v2 only, is padding); `view`: v2's
-    ShardingGradView (None for v1). Empty for v2 before its buffers exist.
-    """
-    pieces = {}
-    if _is_v2(opt):
-        views = {}
-        for buffer in opt._comm_buffer_list:
-            views.update(buffer._sharding_param_grad_view)
-        for i, p in enumerate(opt._parameter_list):
-            view = views.get(p)  # None: frozen at construction, so never stepped
-            if view is not None and view._has_local:
-                real = min(view._param_end, view._index + p.numel()) - view._param_begin
-                lo = view._param_begin - view._index
-                pieces[i] = (opt._slice_params[p], lo, real, view)
-    else:
-        for i, p in enumerate(opt._parameter_list):
-            if opt._param2rank[p] == opt._rank:
-                pieces[i] = (p, 0, p.numel(), None)
-    return pieces
-
-
-def _local_groups(opt):
-    """Per inner param group: the param indices of its targets (v1: owned only)."""
-    index, targets, groups, start = _target_index(opt), _targets(opt), [], 0
-    for group in _torch_opt(opt).param_groups:
-        groups.append([index[t] for t in targets[start : start + len(group["params"])]])
-        start += len(group["params"])
-    return groups
-
-
-def layout(opt):
-    """What a per-rank state fits: version, degree, rank, param shapes, owners / slices."""
-    params = opt._parameter_list
-    result = {"version": 2 if _is_v2(opt) else 1, "sharding_degree": opt._nranks,
-              "sharding_rank": opt._rank, "shapes": [tuple(p.shape) for p in params]}
-    if not _is_v2(opt):
-        result["owners"] = [opt._param2rank[p] for p in params]
-    elif _layout_known(opt):
-        pieces = _local_pieces(opt)
-        result["slices"] = [pieces[i][1:3] if i in pieces else None for i in range(len(params))]
-    else:
-        result["slices"] = None  # unknown until the pipeline has built the buffers
-    return result
-
-
-# ---------------------------------------------------------------- collectives
-
-def _all_gather(obj, group):
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _full_groups(opt):
-    """Per param group, all its param indices: the union over the sharding group (v1 ranks
-    each know only their own params). A collective over the sharding group."""
-    gathered = _all_gather(_local_groups(opt), opt._group)
-    return [sorted(set().union(*(rank_groups[g] for rank_groups in gathered)))
-            for g in range(len(gathered[0]))]
-
-
-def _agree(opt, problem):
-    """Raise ValueError on every rank of the sharding and dp groups if any rank has a problem."""
-    problems = _all_gather(problem and (dist.get_rank(), problem), opt._group)
-    if opt._hcg.get_data_parallel_world_size() > 1:
-        problems = [p for ps in _all_gather(problems, opt._hcg.get_data_parallel_group())
-                    for p in ps]
-    texts = {}
-    for found in filter(None, problems):
-        texts.setdefault(found[1], []).append(found[0])
-    if texts:
-        raise ValueError("\n".join(f"{text} [seen on global rank(s) {sorted(set(ranks))}]"
-                                   for text, ranks in texts.items()))
-
+from sharding import (_full_groups, _is_v2, _layout_known, _local_groups, _local_pieces,
+                      _masters, _target_index, _targets, _torch_opt)
 
 # ---------------------------------------------------------------- consolidate
 
@@ -231,26 +116,27 @@ def _paste(slots, key, piece, lo, real, numel):
 
 # ---------------------------------------------------------------- load
 
-def load(opt, state_dict, load_own):
-    """`load_state_dict`'s work: a per-rank state goes to `load_own` after its layout is
-    checked; a consolidated (or plain torch) state is cut into this rank's pieces. Every
-    rank issues the same collectives, whatever it was given."""
-    groups = _full_groups(opt)
-    own = isinstance(state_dict, dict) and LAYOUT_KEY in state_dict
-    try:  # a malformed dict must not leave the other ranks waiting in _agree
-        problem = (_check_own(opt, state_dict[LAYOUT_KEY]) if own
-                   else _check_full(opt, state_dict, groups))
-    except Exception as error:  # noqa: BLE001 (reported on every rank below)
-        problem = (f"load_state_dict could not read the state dict ({type(error).__name__}: "
-                   f"{error}); pass this rank's state_dict() or a consolidated one")
-    _agree(opt, problem)
-    opt._pending_state = None
-    if own:
-        load_own({k: v for k, v in state_dict.items() if k != LAYOUT_KEY})
-    elif _layout_known(opt):
+def load_full(opt, state_dict, groups):
+    """Load a consolidated (or plain torch) state, checked on every rank by `check_full`.
+
+    Cuts this rank's pieces now, or, for v2 under the pipeline's comm overlap before its first
+    train_batch (no slices yet), keeps the dict and cuts it once the buffers exist
+    (`apply_pending`). The hyper-parameters go into `param_groups` at once either way, so an
+    LR scheduler built right after the load reads the saved lr and `initial_lr`.
+    """
+    if _layout_known(opt):
         _apply_full(opt, state_dict, groups)
-    else:  # v2 under pp overlap before the first train_batch: cut it once the buffers exist
+    else:
+        _apply_hyper(opt, state_dict)
         opt._pending_state = copy.deepcopy(state_dict)
+
+
+def _apply_hyper(opt, state_dict):
+    """Copy the saved hyper-parameters (all but the param lists) into the inner groups."""
+    for group, saved in zip(_torch_opt(opt).param_groups, state_dict["param_groups"]):
+        for k, v in saved.items():
+            if k not in ("params", "param_names"):
+                group[k] = copy.deepcopy(v)
 
 
 def apply_pending(opt):
@@ -262,30 +148,9 @@ def apply_pending(opt):
         _apply_full(opt, pending, _local_groups(opt))
 
 
-def _check_own(opt, saved):
-    here = layout(opt)
-    diffs = [f"{k}: saved {saved.get(k)!r}, here {here[k]!r}" for k in here
-             if saved.get(k) != here[k] and not (k == "slices" and None in (saved.get(k),
-                                                                               here[k]))]
-    if not diffs:
-        return None
-    shown = "; ".join(d if len(d) < 200 else d[:200] + "..." for d in diffs)
-    return ("load_state_dict: a per-rank state_dict() loads only into the layout it was saved "
-            "from (same sharding version, sharding degree, sharding rank, param shapes and "
-            f"owners / slices); on global rank {dist.get_rank()} it differs: {shown}. To load "
-            f"into another layout, {_FIX}")
-
-
-def _check_full(opt, state_dict, groups):
-    if state_dict is None:
-        return ("load_state_dict got None: consolidate_state_dict(to) returns the state on "
-                f"sharding rank `to` only, None elsewhere. {_FIX[0].upper() + _FIX[1:]}")
-    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
-        seen = (f"keys {sorted(map(str, state_dict))}" if isinstance(state_dict, dict)
-                else f"a {type(state_dict).__name__}")
-        return ("load_state_dict takes this rank's state_dict() (it has the key "
-                f"'{LAYOUT_KEY}') or a consolidated / plain torch one (keys 'state' and "
-                f"'param_groups'); got {seen}. To move between world sizes, {_FIX}")
+def check_full(opt, state_dict, groups):
+    """The problem (a string) with loading a consolidated `state_dict` into `opt`, or None.
+    `state_dict` has the keys "state" and "param_groups" (the core checked that)."""
     saved = state_dict["param_groups"]
     sizes, saved_sizes = [len(g) for g in groups], [len(g["params"]) for g in saved]
     if sizes != saved_sizes:
@@ -352,10 +217,8 @@ def _apply_full(opt, state_dict, groups):
     inner, masters, pieces = _torch_opt(opt), _masters(opt), _local_pieces(opt)
     index, targets, start = _target_index(opt), _targets(opt), 0
     inner.state.clear()
-    for group, saved in zip(inner.param_groups, state_dict["param_groups"]):
-        for k, v in saved.items():
-            if k not in ("params", "param_names"):
-                group[k] = copy.deepcopy(v)
+    _apply_hyper(opt, state_dict)
+    for group in inner.param_groups:
         for target in targets[start : start + len(group["params"])]:
             i = index[target]
             if i not in pieces:

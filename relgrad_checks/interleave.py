@@ -8,15 +8,15 @@ import torch
 import torch.distributed as dist
 
 from comm_buffer import FusedCommBuffer
-from grad_clip import ClipGradByGlobalNorm
+from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 from pipeline import PipelineParallel
-from pipeline_schedules.interleave import PipelineParallelWithInterleave
+from relgrad_extras.interleave import PipelineParallelWithInterleave
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from checks.common import (OPTIMIZERS, PIPE_SIZES, _data, _mse, _pipe_layers, _released,
+from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _data, _mse, _pipe_layers, _released,
                            _same_on_all, _strategy)
-from checks.clipping import _tied_layers, _tied_oracle
-from checks.pipe import _V1, _V2, _pipe_oracle, _spy_collectives
+from relgrad_checks.clipping import _tied_layers, _tied_oracle
+from relgrad_checks.pipe import _V1, _V2, _pipe_oracle, _spy_collectives
 
 # ---- the interleaved order for pp 2 x 2 virtual stages, written out by hand ----
 # Read off the paper's Figure 4 rule (Narayanan et al. 2021): micro-batches go through chunk 0

@@ -13,7 +13,7 @@ from torch import nn
 from comm_buffer import register_main_grad_hooks
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from checks.common import (OPTIMIZERS, _data, _io, _mlp, _oracle, _released, _same_on_all,
+from relgrad_checks.common import (OPTIMIZERS, _data, _io, _mlp, _oracle, _released, _same_on_all,
                            _strategy)
 
 

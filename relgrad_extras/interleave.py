@@ -40,7 +40,7 @@ from torch import nn
 
 from comm_buffer import bw_hook_func
 from pipeline import _DTYPES, _META_LEN, PipelineParallel, _build_segment, _cut_layers
-from shared_weights import SharedWeights
+from relgrad_extras.shared_weights import SharedWeights
 
 
 class PipelineParallelWithInterleave(PipelineParallel):

@@ -1,5 +1,5 @@
 """Rank-side check of the demo's --peers: the same LM under sharding v2, DDP + ZeRO and FSDP2."""
-from demo import peers
+from relgrad_demo import peers
 
 # A tiny LM and few steps: the systems' agreement does not depend on size.
 OPTS = {"data": None, "block": 16, "seed": 0, "micro_batch_size": 2, "micro_batches": 2,

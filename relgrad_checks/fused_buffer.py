@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comm_buffer import HOOK_ACTION, FusedCommBuffer, bw_hook_func, register_main_grad_hooks
-from checks.common import (ACTIONS, _backward_int_grads, _new_params, _released, _slot)
+from relgrad_checks.common import (ACTIONS, _backward_int_grads, _new_params, _released, _slot)
 
 # ---------------------------------------------------------------- comm_buffer.py
 

@@ -19,13 +19,13 @@ from functools import partial
 
 import torch
 
-from demo.lm import Corpus, lm_layers, lm_loss, lm_shared_weights
-from demo.memory import Ledger, PeakSampler, allocator_in_use_bytes, live_grad_bytes
-from demo.phases import PipelineProbe, action_name, comm_buffers
-from demo.trace import Recorder
-from grad_clip import ClipGradByGlobalNorm
+from relgrad_demo.lm import Corpus, lm_layers, lm_loss, lm_shared_weights
+from relgrad_demo.memory import Ledger, PeakSampler, allocator_in_use_bytes, live_grad_bytes
+from relgrad_demo.phases import PipelineProbe, action_name, comm_buffers
+from relgrad_demo.trace import Recorder
+from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 from pipeline import PipelineParallel
-from pipeline_schedules.interleave import PipelineParallelWithInterleave
+from relgrad_extras.interleave import PipelineParallelWithInterleave
 from relgrad import (DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig)
 from sharding import (DygraphShardingOptimizer, DygraphShardingOptimizerV2,
                       MixPrecisionOptimizer)

@@ -15,7 +15,7 @@ from comm_buffer import register_main_grad_hooks
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from checks.common import _data, _mlp, _oracle, _same_on_all, _strategy, OPTIMIZERS
+from relgrad_checks.common import _data, _mlp, _oracle, _same_on_all, _strategy, OPTIMIZERS
 
 V1, V2 = DygraphShardingOptimizer, DygraphShardingOptimizerV2
 

@@ -17,7 +17,7 @@ from comm_buffer import global_rank, register_main_grad_hooks
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from checks.common import OPTIMIZERS, PIPE_SIZES, _data, _mlp, _mse, _pipe_layers, _strategy
+from relgrad_checks.common import OPTIMIZERS, PIPE_SIZES, _data, _mlp, _mse, _pipe_layers, _strategy
 
 SIZES, BATCH = [20, 24, 4], 12
 VERSIONS = {1: DygraphShardingOptimizer, 2: DygraphShardingOptimizerV2}

@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from grad_clip import ClipGradByGlobalNorm
+from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from checks.common import _data, _mse, _same_on_all, _strategy
+from relgrad_checks.common import _data, _mse, _same_on_all, _strategy
 
 _VERSIONS = {1: DygraphShardingOptimizer, 2: DygraphShardingOptimizerV2}
 

@@ -1,1 +1,0 @@
-"""Pipeline schedules beyond the plain 1F1B of `pipeline.py`: `interleave` (virtual stages)."""
