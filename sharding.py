@@ -1375,6 +1375,8 @@ class DygraphShardingOptimizerV2(_Sharding):
         `_clear_dataptr` on `_slice_grad` frees them; in torch a stale view would keep the
         freed buffer alive.
         """
+        # Seed hunk: the "should not erase grad buffer" assert holds only with release off.
+        # (Under pipeline overlap the pipeline's buffers follow the PP flag alone.)
         if not self._buffers_released and not set_to_zero:
             raise ValueError(_ERASE_MSG)
         self._reduced = self._grads_ready = False
@@ -1384,6 +1386,8 @@ class DygraphShardingOptimizerV2(_Sharding):
         if self.pp_release_grads:
             for slice_param in self._slice_params.values():
                 _clear(slice_param, set_to_zero=False)
+        # Seed hunk: with release and no pipeline overlap, free v2's own grad buffers here
+        # (under overlap the pipeline's _optimizer_step frees its buffers).
         if self.pp_release_grads and not self.pp_overlap:
             for comm_buffer in self._comm_buffer_list:
                 comm_buffer._clear_grad_storage()
