@@ -28,7 +28,7 @@ from torch import nn
 
 import comm_buffer
 from relgrad_checks import (checkpoints, clipping, contract, demo_peers, fused_buffer,
-                            interleave, pipe, recipes, sharding_overlap, zero)
+                            interleave, loops, pipe, recipes, sharding_overlap, zero)
 from relgrad_demo.memory import live_grad_bytes
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch)
@@ -869,3 +869,51 @@ def test_recipe_without_extras_names_the_folder(tmp_path):
     assert len(codes) == 2 and all(code not in (0, None) for code in codes), outputs
     for out in outputs:
         assert "ImportError" in out and "copy the folder relgrad_extras/" in out, out
+
+
+# ---------------------------------------------------------------- the torch loop around sharding
+
+def test_loop_orders_free_before_forward(ranks):
+    """Check that with release, in both loop orders (zero_grad after step() or at the top), v1 /
+    v2, own overlap on / off, acc 1 / 4, no buffer holds storage and no grad exists when a
+    step's forward starts, grads stay readable after step() until zero_grad, and the params
+    equal one process."""
+    (results, oracle), _ = ranks(2).run(loops.loop_orders)
+    assert len(results) == 16
+    for (version, overlap, acc, order), (held, at_fwd, after, params, n) in results.items():
+        case = (version, overlap, acc, order)
+        assert len(held) == loops.STEPS
+        assert (n == 0) if version == 1 and not overlap else (n >= 1), case  # v1 alone: none
+        assert all(len(h) == n for h in held), case
+        assert not any(any(h) for h in held), (case, held)
+        assert at_fwd == [False] * loops.STEPS, case
+        assert after == [True] * loops.STEPS, case
+        assert len(params) == len(oracle) > 0
+        for got, want in zip(params, oracle):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_clip_grad_norm_like_torch(ranks):
+    """Check that opt.clip_grad_norm_(c) before step() equals one-process
+    torch.nn.utils.clip_grad_norm_ + step (params and returned norms), v1 / v2, own overlap on
+    / off, acc 1 / 4, c below and above the norm."""
+    (results, oracles), _ = ranks(2).run(loops.clip_grad_norm)
+    assert len(results) == 16
+    for (clip, version, overlap, acc), (params, norms) in results.items():
+        want_params, want_norms = oracles[clip]
+        assert len(norms) == len(want_norms) == loops.STEPS
+        for got, want in zip(norms, want_norms):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        assert len(params) == len(want_params) > 0
+        for got, want in zip(params, want_params):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # the small clip bites: its trajectory differs from the unclipped one by far more than atol
+    small, large = oracles[0.05][0], oracles[100.0][0]
+    assert max((a - b).abs().max().item() for a, b in zip(small, large)) > 1e-3
+    assert all(n.item() > 0.05 for n in oracles[0.05][1])
+
+
+def test_clip_grad_norm_misuse(ranks):
+    """Check that clip_grad_norm_ with a bad max_norm or norm_type, twice before a step, or
+    beside grad_clip= raises a clear error on every rank, and the optimizer steps afterwards."""
+    assert ranks(2).run(loops.clip_grad_norm_misuse) == [True, True]
