@@ -45,12 +45,17 @@ def _read_part(buf, rank):
     return buf.grad_storage if dist.get_rank() == buf._dst else None
 
 
-def _watch(buf, record, free):
-    """Wrap `buf.scale_grads` (this instance): record the read part right after the collective
-    and, with free, check that the rest is dead and the read part is a storage of its own."""
-    original = buf.scale_grads
+def _watch(buf, record, free, timing=None, buffers=()):
+    """Wrap `buf._complete_comm` (this instance; `scale_grads` or, with free_grads_in_comm,
+    a later check-in calls it): record the read part right after the collective and, with
+    free, check that the rest is dead and the read part is a storage of its own. With
+    `timing`, append whether some bucket of `buffers` was still being filled (no collective
+    issued yet) at that moment."""
+    original = buf._complete_comm
 
-    def scale_grads():
+    def complete_comm():
+        if timing is not None:
+            timing.append(any(b._task is None for b in buffers))
         full = weakref.ref(buf.grad_storage)
         grads = [weakref.ref(comm_buffer.main_grad_or_grad(p)) for p in buf.params]
         muls, scaled = {name: getattr(torch.Tensor, name) for name in ("mul_", "__mul__")}, []
@@ -69,7 +74,9 @@ def _watch(buf, record, free):
             for name, fn in muls.items():
                 setattr(torch.Tensor, name, fn)
         part = _read_part(buf, buf._comm_group_rank)
-        record.append(None if part is None else part.clone())
+        buf._completions += 1  # keyed: with free the buckets complete in issue order
+        record.append(((buf._watch_index, buf._completions),
+                       None if part is None else part.clone()))
         # only what this rank reads is scaled (Paddle scales the whole buffer)
         assert scaled == ([] if part is None else [part.numel()]), scaled
         if not free:
@@ -87,8 +94,13 @@ def _watch(buf, record, free):
             assert all(v._slice_grad.untyped_storage().data_ptr() == base
                        for v in views if v._has_local)
 
-    buf.scale_grads = scale_grads
+    buf._complete_comm = complete_comm
     buf._comm_group_rank = dist.get_rank(buf._comm_group)
+    buf._watch_index, buf._completions = len(_watched), 0
+    _watched.append(None)
+
+
+_watched = []  # one entry per watched buffer: gives each its index (the same order per run)
 
 
 def _train_own(hcg, version, strategy, steps=3, batch=24, watch=None, free=False,
@@ -281,10 +293,20 @@ def free_in_comm(rank, world):
 
 
 def _assert_same_runs(parts, trajs, buckets=True):
+    """Same read parts per (bucket, completion) and same params; `parts[free]` lists
+    ((bucket watch index, n-th completion), part) pairs."""
     assert len(parts[False]) == len(parts[True]) and (len(parts[True]) > 0) == buckets
-    for a, b in zip(parts[False], parts[True]):
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
-    assert any(a is not None for a in parts[True]) == buckets
+    # both runs watched their buckets in the same order: shift the indices to start at 0
+    keyed = {}
+    for free, pairs in parts.items():
+        first = min((key[0] for key, _ in pairs), default=0)
+        keyed[free] = {(key[0] - first, key[1]): part for key, part in pairs}
+        assert len(keyed[free]) == len(pairs)
+    assert keyed[False].keys() == keyed[True].keys()
+    for key, a in keyed[False].items():
+        b = keyed[True][key]
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), key
+    assert any(a is not None for a in keyed[True].values()) == buckets
     for off, on in zip(trajs[False], trajs[True]):
         assert all(torch.equal(a, b) for a, b in zip(off, on))
 

@@ -56,7 +56,8 @@ def make_strategy(opts, mode="off"):
                              "num_virtual_pipeline_stages": opts.get("vpp", 1)},
               "sharding_configs": {"split_param": opts["split_param"],
                                    "comm_overlap": overlap and sharding > 1 and pp == 1,
-                                   "accumulate_steps": opts["micro_batches"]}}
+                                   "accumulate_steps": opts["micro_batches"],
+                                   "comm_buffer_size_MB": opts.get("comm_buffer_mb")}}
     for key, value in MODES[mode].items():
         section, name = key.split(".")
         fields[section][name] = value
