@@ -284,6 +284,20 @@ def test_pipeline_sharding_free_grads_in_comm(ranks):
     ranks(4).run(sharding_overlap.free_in_comm_pipeline)
 
 
+def test_sharding_free_in_backward(ranks):
+    """Check free_grads_in_comm (own overlap, 6 buckets, v1 and v2, acc 1 and 4) frees each
+    bucket's unread part right after its collective, during backward while later buckets
+    still fill, with params bitwise equal to release off."""
+    ranks(2).run(sharding_overlap.free_during_backward)
+
+
+def test_sharding_v2_end_of_backward_bytes(ranks):
+    """Check v2 on gloo holds at most G + one bucket (+ 256 KiB) more at the end of backward
+    than before the forward: no full-size collective temporary outlives its collective."""
+    for grad_bytes, bucket, growth in ranks(2).run(sharding_overlap.end_of_backward_bytes):
+        assert grad_bytes > 4_000_000 and len(growth) == 4, (grad_bytes, growth)
+
+
 def test_sharding_own_comm_overlap(ranks):
     """Check sharding's own comm overlap (v1, v2, acc 1 and 4, release off and on) equals one
     process, allocates once per bucket per step and copies nothing at step(), and raises on
@@ -550,6 +564,11 @@ def test_config_errors():
     with pytest.raises(ValueError, match="free_grads_in_comm needs release"):
         HybridStrategy(sharding_configs=DygraphShardingConfig(free_grads_in_comm=True))
     assert DygraphShardingConfig().free_grads_in_comm is False
+    for bad in (0, -1, 1.5, "256", True):
+        with pytest.raises(ValueError, match="comm_buffer_size_MB must be a positive int"):
+            DygraphShardingConfig(comm_buffer_size_MB=bad)
+    assert DygraphShardingConfig(comm_buffer_size_MB=1).comm_buffer_bytes() == 1 << 20
+    assert DygraphShardingConfig().comm_buffer_bytes() == 256 << 20  # Paddle's default
     # Paddle's proto defaults: release is opt-in on both sides
     assert PpConfig().release_gradients is False
     assert DygraphShardingConfig().release_gradients is False
