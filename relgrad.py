@@ -322,6 +322,9 @@ def parse_args(argv=None):
                    help="sharding_configs.comm_buffer_size_MB: MB per fused grad buffer "
                    "(bucket) of sharding (default: Paddle's 256 for sharding's own buffers, "
                    "128 for the pipeline's)")
+    p.add_argument("--eval-every", type=int, default=5, metavar="N",
+                   help="the main job: after every N-th step an eval pass (forward only, no "
+                   "grad, a batch 4 times a training one); 0: none")
     p.add_argument("--main-grad", action="store_true", help="bf16 params, fp32 main grads")
     p.add_argument("--steps", type=int, default=30, help="training steps per run")
     p.add_argument("--micro-batches", type=int, default=4,
@@ -356,6 +359,8 @@ def parse_args(argv=None):
         p.error(f"--d-model must be a multiple of the 4 attention heads, got {args.d_model}")
     if args.comm_buffer_mb is not None and args.comm_buffer_mb < 1:
         p.error(f"--comm-buffer-mb must be >= 1 (MB per bucket), got {args.comm_buffer_mb}")
+    if args.eval_every < 0:
+        p.error(f"--eval-every must be >= 0 (0: no eval), got {args.eval_every}")
     if args.vpp < 1:
         p.error(f"--vpp must be >= 1, got {args.vpp}")
     if args.pp * args.vpp > args.layers + 2:

@@ -588,8 +588,9 @@ def _run_json(cmd):
 _TOP_KEYS = {"config", "stages", "phases", "baseline", "modes", "bitwise_equal"}
 _MODE_KEYS = {"losses", "grad_norms", "idle_bytes_allocator", "idle_grad_bytes_counted",
               "peak_bytes", "peak_phase", "phase_bytes", "step_time_s", "step_time_iqr_s",
-              "step_times_s"}
-_OTHER_MODE_KEYS = _MODE_KEYS | {"idle_grad_bytes_allocator", "step_time_ratio", "bitwise_equal"}
+              "step_times_s", "eval_peak_bytes"}
+_OTHER_MODE_KEYS = _MODE_KEYS | {"idle_grad_bytes_allocator", "step_time_ratio", "bitwise_equal",
+                                 "eval_peak_lower_bytes"}
 _PHASES = ["step start", "before 1st backward", "after 1st backward", "after last backward",
            "after collectives", "after optimizer step", "after release"]
 
@@ -630,6 +631,11 @@ def test_main_job_json(tmp_path):
     assert all(n > 100_000 for n in off["idle_grad_bytes_counted"])
     for counted, freed in zip(off["idle_grad_bytes_counted"], on["idle_grad_bytes_allocator"]):
         assert abs(freed - counted) <= 0.05 * counted, (freed, counted)
+    # the eval pass after step 5 (--eval-every 5): its peak is lower by the released buffer
+    # (within a quarter of it: the CPU peak is sampled every 0.5 ms over a short pass)
+    assert len(on["eval_peak_lower_bytes"]) == 4
+    for counted, lower in zip(off["idle_grad_bytes_counted"], on["eval_peak_lower_bytes"]):
+        assert abs(lower - counted) <= 0.25 * counted, (lower, counted)
     # Each run is charged for its own bytes only: its params (P bytes, = the buffer bytes
     # counted with release off), AdamW's two states for the half it owns (~P) and, with
     # release off, the buffer (P). Charging one run for the other's would show ~2P more.
@@ -729,6 +735,13 @@ def test_cli_help_and_effective_strategy(capsys):
     strategy = make_strategy(opts, "free")
     assert strategy.sharding_configs.free_grads_in_comm and strategy.pp_configs.release_gradients
     assert strategy.pp_configs.num_virtual_pipeline_stages == 2
+    assert strategy.sharding_configs.comm_buffer_size_MB is None  # defaults: 256 / 128 MB
+    _, opts = relgrad.parse_args(["--peers", "--free-grads-in-comm", "--comm-buffer-mb", "1"])
+    assert make_strategy(opts, "free").sharding_configs.comm_buffer_bytes() == 1 << 20
+    from relgrad_demo import peers
+    assert list(peers.systems(opts)) == ["v2 release off", "v2 release on", "DDP + ZeRO",
+                                         "FSDP2", "v2 release + free-in-comm"]
+    assert len(peers.systems({"modes": ["off", "on"]})) == 4
 
 
 def test_peers_agree(ranks):
@@ -761,6 +774,7 @@ def test_cli_errors():
     for args, message in ((["--pp", "0"], "--pp must be >= 1, got 0"),
                           (["--d-model", "30"], "multiple of the 4 attention heads"),
                           (["--data", "/no/such/file"], "cannot read"),
+                          (["--comm-buffer-mb", "0"], "--comm-buffer-mb must be >= 1"),
                           (["--pp", "3", "--sharding", "1", "--layers", "0"], "--layers must")):
         done = subprocess.run([sys.executable, "relgrad.py", *args], capture_output=True,
                               text=True, timeout=60, cwd=str(Path(__file__).parent))
