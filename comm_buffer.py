@@ -12,8 +12,11 @@ up front: the first check-in of a step allocates the buffer, adds the first micr
 into its slot and re-points the grad at the slot; later micro-batches accumulate in place; after
 the optimizer step the caller drops the grads and calls `_clear_grad_storage()`.
 [later] With `free_grads_in_comm` (PaddleNLP #9081) the part of the buffer this rank will not
-read is freed as soon as the collective has completed (`scale_grads`): v2 keeps its shard only,
-a v1 non-owner keeps nothing.
+read is freed as soon as the collective has completed: v2 keeps its shard only, a v1 non-owner
+keeps nothing. Paddle frees at `scale_grads`; buffers that share a queue (`share_comm_queue`,
+as the sharding optimizers and the pipeline set up) free during backward, bucket by bucket.
+On gloo, v2's reduce-scatter and all-gather run as in-place all-reduce / broadcasts, which
+stage no full-size copy (`_stages_full_copies`); NCCL keeps Paddle's collectives.
 Phases of a step: check in -> communicate -> wait, scale (and free) -> step -> release.
 Sections: layout (slots, shards, views); hooks and helpers; the fused buffer.
 
@@ -308,8 +311,8 @@ class FusedCommBuffer:
         fuse_param: also move the params into one flat param buffer (not with release).
         scale_after_comm: scale by 1/nranks after the collective (else before).
         release_grads: allocate the grad buffer lazily each step; see `_clear_grad_storage`.
-        free_grads_in_comm: [later] free, once the collective has completed (`scale_grads`),
-            what this rank will not read: REDUCE_SCATTER keeps only its shard (`grad_storage`
+        free_grads_in_comm: [later] free, once the collective has completed (`scale_grads`,
+            or during backward with `share_comm_queue`), what this rank will not read: REDUCE_SCATTER keeps only its shard (`grad_storage`
             becomes `buffer_size / nranks` elements, the slice grads view it, the params'
             grads are dropped); REDUCE drops the whole buffer and the grads on ranks other
             than `dst`. Needs release_grads; any acc_steps (Paddle: acc_steps 1, v2 only).

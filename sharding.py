@@ -19,7 +19,9 @@ owned params / slices -> broadcast / all-gather. Both keep torch's optimizer con
 Without a pipeline, `sharding_configs.comm_overlap` (sharding's own tensor-fusion overlap)
 registers the buffers' hooks in the optimizer itself, so each bucket's reduce (v1, buckets
 grouped by owner) or reduce-scatter (v2) overlaps the last backward; `free_grads_in_comm`
-[later] frees what a rank will not read as soon as the collective is done.
+[later] frees what a rank will not read as soon as the collective is done, bucket by bucket
+during that backward (`comm_buffer.share_comm_queue`). Bucket size: [later]
+`sharding_configs.comm_buffer_size_MB` (256 MB if unset, Paddle's default).
 
 Leaves out: v1's fused params and fused optimizer, offload, color sharding,
 torch.amp.GradScaler (refused with a clear error).
@@ -1259,7 +1261,9 @@ class DygraphShardingOptimizerV2(_Sharding):
     and the reduce-scatter fires in the last of `accumulate_steps` backward passes. Without
     hooks, backward accumulates straight into their views (release off) or `reduce_gradients`
     copies the grads in at `step()` (release on). With free_grads_in_comm each buffer keeps
-    only this rank's shard once reduced (see `FusedCommBuffer`); the params' grads are dropped.
+    only this rank's shard once reduced (see `FusedCommBuffer`; with hooks, during backward);
+    the params' grads are dropped. Buckets hold `sharding_configs.comm_buffer_size_MB` MB
+    (256 if unset) of params.
     Raises ValueError for `clear_grad(set_to_zero=False)` with release off, at `step()` (on
     every rank) for no grad on any rank or state changed behind its back since it was built
     (`_misuse_rules`), and with comm_overlap as v1 does; RuntimeError if `step()` finds no
