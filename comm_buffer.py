@@ -312,10 +312,11 @@ class FusedCommBuffer:
         scale_after_comm: scale by 1/nranks after the collective (else before).
         release_grads: allocate the grad buffer lazily each step; see `_clear_grad_storage`.
         free_grads_in_comm: [later] free, once the collective has completed (`scale_grads`,
-            or during backward with `share_comm_queue`), what this rank will not read: REDUCE_SCATTER keeps only its shard (`grad_storage`
-            becomes `buffer_size / nranks` elements, the slice grads view it, the params'
-            grads are dropped); REDUCE drops the whole buffer and the grads on ranks other
-            than `dst`. Needs release_grads; any acc_steps (Paddle: acc_steps 1, v2 only).
+            or during backward with `share_comm_queue`), what this rank will not read:
+            REDUCE_SCATTER keeps only its shard (`grad_storage` becomes `buffer_size /
+            nranks` elements, the slice grads view it, the params' grads are dropped);
+            REDUCE drops the whole buffer and the grads on ranks other than `dst`. Needs
+            release_grads; any acc_steps (Paddle: acc_steps 1, v2 only).
 
     Attributes: `grad_storage` (1-D, `buffer_size` elements; None while released; with
     free_grads_in_comm after the collective: the shard, or None on a REDUCE non-owner),
