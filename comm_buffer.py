@@ -445,6 +445,8 @@ class FusedCommBuffer:
         if self._params_step_dict[param] > 0:
             return
         if self.grad_storage is None:
+            if self._comm_queue is not None:  # free the buckets in flight before allocating
+                self._comm_queue.complete_all()
             self.grad_storage = torch.zeros(self.buffer_size, dtype=self._dtype,
                                             device=param.device)
         if self._act == HOOK_ACTION.REDUCE_SCATTER:
@@ -770,19 +772,28 @@ class _CommQueue:
 
     free_grads_in_comm frees what a rank will not read as soon as a bucket's collective is
     done, during backward: at every check-in the queue completes (`_complete_comm`: scale and
-    free) the buckets whose collective has finished, and issuing a bucket first waits for
-    the ones issued before it, so at most one bucket's collective (and its full buffer) is
-    in flight beside the one being filled. Waiting is local: it issues no collective, so
-    every rank still issues the same ones in the same order.
+    free) the buckets whose collective has finished (gloo's collectives usually still run
+    then: they share the cores with backward); a bucket that allocates its buffer (its first
+    check-in of the step) first waits for and completes every bucket in flight; and issuing
+    a bucket completes the ones issued before it (with accumulation every buffer was
+    allocated in the first micro-batch, and this is what frees in the last one). So at most
+    one full bucket (in flight, or being filled) lives beside the shards: P + O + G/S + one
+    bucket (+ G/S of it while its shard is copied out). The waits cost the overlap of a
+    bucket's collective with the backward of the next one. Waiting is local: it issues no
+    collective, so every rank still issues the same ones in the same order.
     """
 
     def __init__(self):
         self._in_flight = []
 
+    def complete_all(self):
+        """Wait for and complete every bucket in flight, in issue order."""
+        for buffer in list(self._in_flight):
+            buffer._complete_comm()
+
     def issued(self, buffer):
         """`buffer` has just issued its collective: complete every earlier one (blocking)."""
-        for earlier in list(self._in_flight):
-            earlier._complete_comm()
+        self.complete_all()
         self._in_flight.append(buffer)
 
     def poll(self):
