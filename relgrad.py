@@ -317,7 +317,8 @@ def parse_args(argv=None):
                    help="virtual pipeline stages per rank (interleaved 1F1B when > 1)")
     p.add_argument("--free-grads-in-comm", dest="modes", action="append_const", const="free",
                    help="also run release on + sharding_configs.free_grads_in_comm (a third "
-                   "mode): what a rank will not read is freed right after its collective")
+                   "mode; with --peers a fifth row): what a rank will not read is freed right "
+                   "after its bucket's collective, during backward")
     p.add_argument("--comm-buffer-mb", type=int, metavar="MB",
                    help="sharding_configs.comm_buffer_size_MB: MB per fused grad buffer "
                    "(bucket) of sharding (default: Paddle's 256 for sharding's own buffers, "

@@ -775,6 +775,7 @@ def test_cli_errors():
                           (["--d-model", "30"], "multiple of the 4 attention heads"),
                           (["--data", "/no/such/file"], "cannot read"),
                           (["--comm-buffer-mb", "0"], "--comm-buffer-mb must be >= 1"),
+                          (["--eval-every", "-1"], "--eval-every must be >= 0"),
                           (["--pp", "3", "--sharding", "1", "--layers", "0"], "--layers must")):
         done = subprocess.run([sys.executable, "relgrad.py", *args], capture_output=True,
                               text=True, timeout=60, cwd=str(Path(__file__).parent))

@@ -4,7 +4,8 @@ Trains the same LM on the same data with sharding 2 and no pipeline (2 processes
 of every batch, `micro_batches` micro-batches per step) under every system in `SYSTEMS`: this
 repo's sharding v2 with release off and on (PipelineParallel with one stage), torch's
 DistributedDataParallel(gradient_as_bucket_view=True) + ZeroRedundancyOptimizer(AdamW), and
-FSDP2 (`fully_shard` on every layer and the root). The runs live side by side and train in
+FSDP2 (`fully_shard` on every layer and the root); with `--free-grads-in-comm` also v2 with
+release + free_grads_in_comm (`FREE_SYSTEM`). The runs live side by side and train in
 turns (`job.measure`), so the figures are the allocator's, each run's own, and the step times
 are paired. All start from the same weights; the losses and final params are compared with
 v2 off's: DDP + ZeRO computes the same sums in the same order (bitwise equal expected), FSDP2
