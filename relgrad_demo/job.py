@@ -7,8 +7,9 @@ while the machine's load drifts. Each run's bytes come from the allocator by dif
 loss, the bytes held between steps, our own count of grad bytes, the peak during the step, the
 step's wall time and, for the latest step, the bytes at each phase boundary
 (`phases.PHASES`); after every `--eval-every` steps, the peak of an eval pass (forward only, no
-grad, a larger batch), where the bytes a run holds between steps decide the peak. The runs see the same data and start from the same weights, so release off
-and on must end bitwise equal.
+grad, a larger batch), where the bytes a run holds between steps decide the peak. The runs
+see the same data and start from the same weights, so release off and on must end bitwise
+equal.
 
 To add a mode: one line in MODES (the config fields it sets) and one flag in relgrad.py that
 appends its name to `opts["modes"]`. A layout rule (which overlap runs where) is one line in
