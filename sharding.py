@@ -19,7 +19,9 @@ owned params / slices -> broadcast / all-gather. Both keep torch's optimizer con
 Without a pipeline, `sharding_configs.comm_overlap` (sharding's own tensor-fusion overlap)
 registers the buffers' hooks in the optimizer itself, so each bucket's reduce (v1, buckets
 grouped by owner) or reduce-scatter (v2) overlaps the last backward; `free_grads_in_comm`
-[later] frees what a rank will not read as soon as the collective is done.
+[later] frees what a rank will not read as soon as the collective is done, bucket by bucket
+during that backward (`comm_buffer.share_comm_queue`). Bucket size: [later]
+`sharding_configs.comm_buffer_size_MB` (256 MB if unset, Paddle's default).
 
 Leaves out: v1's fused params and fused optimizer, offload, color sharding,
 torch.amp.GradScaler (refused with a clear error).
@@ -38,7 +40,7 @@ import torch.distributed as dist
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _share_param_buffer,
                          all_reduce_mean, assign_group_by_size, bw_hook_func, global_rank,
-                         main_grad_or_grad as _grad)
+                         main_grad_or_grad as _grad, share_comm_queue)
 
 
 # ============================================================================================
@@ -819,6 +821,7 @@ class _OwnOverlap:
                     len(self._comm_buffers), bucket, self._group, acc_steps, HOOK_ACTION.REDUCE,
                     dst, release_grads=self.pp_release_grads,
                     free_grads_in_comm=self._free_grads_in_comm))
+        share_comm_queue(self._comm_buffers)  # free_grads_in_comm: free during backward
         self._register_own_hooks(self._comm_buffers)
 
     def _register_own_hooks(self, buffers):
@@ -929,6 +932,14 @@ _NO_GRAD_MSG = ("no param has a grad on any rank at step(): did zero_grad() run 
                 "model.to_empty())? Build the optimizer after that, or load without assign.")
 
 
+def _comm_buffer_bytes(sharding_config):
+    """Bytes per bucket of sharding's own buffers: `sharding_configs.comm_buffer_size_MB`
+    ([later] Paddle's field), 256 MB if unset (Paddle's default). Duck-typed configs
+    without the field get the default."""
+    mb = getattr(sharding_config, "comm_buffer_size_MB", None)
+    return (256 if mb is None else mb) * 1024 * 1024
+
+
 def _check_grad_clip(grad_clip):
     """`grad_clip` as Paddle passes it to an optimizer: None, or an object in the shape of
     Paddle's ClipGradByGlobalNorm (`relgrad_extras.grad_clip`): a `clip_norm` attribute and
@@ -1003,6 +1014,13 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         nccl = dist.get_backend(self._group) == "nccl"
         return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
+    @property
+    def _grads_freed_in_backward(self):
+        """free_grads_in_comm on buffers hooked to backward (the pipeline's, or the own
+        comm_overlap ones): the grads a rank does not read may be gone before `step()`, every
+        trainable param having checked in (else the buckets' agreement raises)."""
+        return self._free_grads_in_comm and (self.pp_overlap or self.comm_overlap)
+
     def _begin_step(self):
         # Beyond Paddle: a second step() would reduce already reduced grads again.
         if self._reduced:
@@ -1076,7 +1094,7 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         anywhere = agree(has_grad, rules, self._flag_groups(), self._flags_device())
         if any(p.requires_grad for p in params) and not any(anywhere):
             raise ValueError(_NO_GRAD_MSG)
-        if not (self.pp_overlap and self._free_grads_in_comm):  # else freed on purpose
+        if not self._grads_freed_in_backward:  # else freed on purpose
             fill_missing_grads(params, anywhere)
         return anywhere
 
@@ -1123,8 +1141,9 @@ class DygraphShardingOptimizer(_Sharding):
         self._expose(self._inner_opt)
         self._comm_buffers = []
         if self.comm_overlap:
-            self._build_owner_buffers(
-                strategy.hybrid_configs["sharding_configs"].accumulate_steps)
+            sharding_config = strategy.hybrid_configs["sharding_configs"]
+            self._build_owner_buffers(sharding_config.accumulate_steps,
+                                      _comm_buffer_bytes(sharding_config))
 
     def _own_buffers(self):
         return self._comm_buffers
@@ -1259,7 +1278,7 @@ class DygraphShardingOptimizer(_Sharding):
     def _has_grad(self):
         """Per param: this rank has a grad that backward (or the user) wrote since the last
         clear_grad (in-place accumulation bumps the grad's `_version`)."""
-        if self.pp_overlap and self._free_grads_in_comm:  # went with the freed buffers
+        if self._grads_freed_in_backward:  # went with the freed buffers
             return [p.requires_grad for p in self._parameter_list]
         return [(g := _grad(p)) is not None and self._zeroed.get(id(p)) != (id(g), g._version)
                 for p in self._parameter_list]
@@ -1309,7 +1328,9 @@ class DygraphShardingOptimizerV2(_Sharding):
     and the reduce-scatter fires in the last of `accumulate_steps` backward passes. Without
     hooks, backward accumulates straight into their views (release off) or `reduce_gradients`
     copies the grads in at `step()` (release on). With free_grads_in_comm each buffer keeps
-    only this rank's shard once reduced (see `FusedCommBuffer`); the params' grads are dropped.
+    only this rank's shard once reduced (see `FusedCommBuffer`; with hooks, during backward);
+    the params' grads are dropped. Buckets hold `sharding_configs.comm_buffer_size_MB` MB
+    (256 if unset) of params.
     Raises ValueError for `clear_grad(set_to_zero=False)` with release off, at `step()` (on
     every rank) for no grad on any rank or state changed behind its back since it was built
     (`_misuse_rules`), and with comm_overlap as v1 does; RuntimeError if `step()` finds no
@@ -1332,8 +1353,11 @@ class DygraphShardingOptimizerV2(_Sharding):
         self._inner_opt = MixPrecisionOptimizer(optimizer, slices)
         self._expose(self._inner_opt)
         self._comm_buffer_list = []
-        acc_steps = strategy.hybrid_configs["sharding_configs"].accumulate_steps
-        self._build_comm_buffers(acc_steps)
+        sharding_config = strategy.hybrid_configs["sharding_configs"]
+        # [later] Paddle reads comm_buffer_size_MB here: `_build_comm_buffers(acc_steps,
+        # comm_buffer_size_MB * 1024 * 1024)`.
+        self._build_comm_buffers(sharding_config.accumulate_steps,
+                                 _comm_buffer_bytes(sharding_config))
         self._track_grads()
 
     def _track_grads(self):
@@ -1361,6 +1385,7 @@ class DygraphShardingOptimizerV2(_Sharding):
                                      free_grads_in_comm=self._free_grads_in_comm)
             self._comm_buffer_list.append(buffer)
         if self.comm_overlap:  # Paddle's register_reduce_overlap_hook(use_comm=True)
+            share_comm_queue(self._comm_buffer_list)  # free_grads_in_comm: during backward
             self._register_own_hooks(self._comm_buffer_list)
 
     def _own_buffers(self):
