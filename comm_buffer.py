@@ -549,7 +549,8 @@ class FusedCommBuffer:
                     f"bucket {self._id}: a new step started while last step's grad buffer is "
                     "still allocated, so its values would be added in. With release_grads, "
                     "after the optimizer step drop the grads and call _clear_grad_storage() "
-                    "(PipelineParallel._optimizer_step does both)")
+                    "(PipelineParallel._optimizer_step and the sharding optimizers' "
+                    "zero_grad() do both: call opt.zero_grad(), not model.zero_grad())")
             self._copy_grad_to_buffer(param)
         else:
             grad = _grad_of(param, self.use_main_grad)

@@ -914,7 +914,8 @@ def _remove_hooks(handles):
 _ERASE_MSG = ("should not erase grad buffer: with release_gradients off the grads are views of "
               "a fused buffer that must persist, so clear_grad(set_to_zero=False) / "
               "zero_grad(set_to_none=True) is not allowed. Use zero_grad(set_to_none=False), "
-              "or turn pp_configs.release_gradients on.")
+              "or turn release on: pp_configs.release_gradients (or, without a pipeline, "
+              "sharding_configs.release_gradients).")
 
 _MOVED_MSG = ("a param is no longer a view of sharding v2's flat param buffer and has another "
               "dtype or device (e.g. model.to(torch.float64) after DygraphShardingOptimizerV2 "
@@ -960,14 +961,6 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
     def _setup(self, optimizer, hcg, strategy):
         pp_config = strategy.hybrid_configs["pp_configs"]
         sharding_config = strategy.hybrid_configs["sharding_configs"]
-        split = isinstance(self, DygraphShardingOptimizerV2)
-        if bool(sharding_config.split_param) != split:  # the same on every rank
-            use = "DygraphShardingOptimizerV2" if sharding_config.split_param else (
-                "DygraphShardingOptimizer")
-            raise ValueError(f"sharding_configs.split_param={sharding_config.split_param} "
-                             f"selects {use} (Paddle picks the class from this field), but "
-                             f"{type(self).__name__} was built; build {use}, or set "
-                             f"split_param={split}")
         self._hcg = hcg
         self._group = hcg.get_sharding_parallel_group()
         self._nranks = hcg.get_sharding_parallel_world_size()
@@ -988,8 +981,77 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
                          and not pp_config.dp_comm_overlap)
         self._reduced = False  # grads reduced by a step() and not cleared since
         self._grads_ready = False  # clip_grad_norm_ ran step()'s first half; step() next
+        self._agree_on_setup(optimizer, strategy)
+        self._broadcast_params()
         self._check_template(optimizer)
         self._setup_own_overlap(strategy)
+
+    def _split_param_problem(self, sharding_config):
+        split = isinstance(self, DygraphShardingOptimizerV2)
+        if bool(sharding_config.split_param) == split:
+            return None
+        use = "DygraphShardingOptimizerV2" if sharding_config.split_param else (
+            "DygraphShardingOptimizer")
+        return (f"sharding_configs.split_param={sharding_config.split_param} selects {use} "
+                f"(Paddle picks the class from this field), but {type(self).__name__} was "
+                f"built; build {use}, or set split_param={split}")
+
+    def _agree_on_setup(self, optimizer, strategy):
+        """Beyond Paddle: every rank of the sharding (and dp) group must build the optimizer
+        alike, or the ranks would issue different collectives (a hang) or train different
+        models silently. One all-gather of a small description per group (class, config,
+        torch optimizer and its hyper-parameters, param shapes / dtypes / requires_grad);
+        any difference, or a class that does not fit split_param, raises ValueError on every
+        rank, naming the ranks and the values."""
+        sharding_config = strategy.hybrid_configs["sharding_configs"]
+        pp_config = strategy.hybrid_configs["pp_configs"]
+        fields = ("split_param", "comm_overlap", "accumulate_steps", "release_gradients",
+                  "free_grads_in_comm", "comm_buffer_size_MB")
+        mine = {
+            "class": type(self).__name__,
+            "sharding_configs": {f: getattr(sharding_config, f, None) for f in fields},
+            "pp_configs": (pp_config.release_gradients, pp_config.sharding_comm_overlap,
+                           pp_config.dp_comm_overlap, pp_config.delay_scale_loss),
+            "torch optimizer": type(optimizer).__name__,
+            "hyper-parameters": [sorted((k, repr(v)) for k, v in g.items() if k != "params")
+                                 for g in optimizer.param_groups],
+            "params (shape, dtype, requires_grad)": [
+                (tuple(p.shape), str(p.dtype), p.requires_grad) for p in self._parameter_list],
+        }
+        problem = self._split_param_problem(sharding_config)
+        groups = [self._group]
+        if self._hcg.get_data_parallel_world_size() > 1:
+            groups.append(self._hcg.get_data_parallel_group())
+        texts = []
+        for group in groups:
+            seen = _all_gather((dist.get_rank(), mine, problem), group)
+            texts += [text for _, _, text in seen if text]
+            first_rank, first, _ = seen[0]
+            for rank, desc, _ in seen[1:]:
+                for key in first:
+                    if desc[key] != first[key]:
+                        a, b = repr(first[key]), repr(desc[key])
+                        texts.append(f"{key}: global rank {first_rank} has {a[:160]}, global "
+                                     f"rank {rank} has {b[:160]}")
+        if texts:
+            raise ValueError("the sharding optimizer: every rank of the sharding (and dp) group "
+                             "must build it alike (same class, config, torch optimizer, "
+                             "hyper-parameters and model); " + "; ".join(dict.fromkeys(texts)))
+
+    @torch.no_grad()
+    def _broadcast_params(self):
+        """Start every rank from the same params, as DDP does and Paddle's
+        `fleet.distributed_model` does (`broadcast_sharding_parameters` /
+        `broadcast_dp_parameters`): each param from sharding rank 0, then from dp rank 0.
+        A no-op in value when every rank seeded its model alike."""
+        groups = [self._group] if self._nranks > 1 else []
+        if self._hcg.get_data_parallel_world_size() > 1:
+            groups.append(self._hcg.get_data_parallel_group())
+        for group in groups:
+            works = [dist.broadcast(p.detach(), src=global_rank(group, 0), group=group,
+                                    async_op=True) for p in self._parameter_list]
+            for work in works:
+                work.wait()
 
     def _check_template(self, optimizer):
         """Beyond Paddle: refuse, on every rank, a template optimizer that already has state
@@ -1201,15 +1263,20 @@ class DygraphShardingOptimizer(_Sharding):
         """torch's `add_param_group` through sharding: the new params get owners (largest
         first, to the least loaded rank), this rank's inner optimizer a group of those it owns
         (maybe empty, so group indices match on every rank). Call it alike on every rank.
-        Raises ValueError for a param already in the optimizer, or under the pipeline's
-        sharding_comm_overlap (its buffers are laid out from the owners already).
+        Raises ValueError for a param already in the optimizer, or under a comm overlap
+        (the pipeline's sharding_comm_overlap, or sharding_configs.comm_overlap): the fused
+        buffers are laid out from the owners already, and a new param's grad would never
+        be reduced.
         """
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        if self.pp_overlap:
-            raise ValueError("add_param_group is not supported with pp_configs."
-                             "sharding_comm_overlap: the pipeline's buffers are built from the "
-                             "owners; build the torch optimizer with every group first")
+        if self.pp_overlap or self.comm_overlap:
+            which = ("pp_configs.sharding_comm_overlap" if self.pp_overlap
+                     else "sharding_configs.comm_overlap")
+            raise ValueError(f"add_param_group is not supported with {which}: the fused "
+                             "buffers are built from the owners at construction, so a new "
+                             "param's grad would never be reduced; build the torch optimizer "
+                             "with every group first")
         known = {id(p) for p in self._parameter_list}
         if any(id(p) in known for p in params) or len({id(p) for p in params}) < len(params):
             raise ValueError("add_param_group: some params are already in the optimizer (or "

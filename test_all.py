@@ -951,3 +951,26 @@ def test_clip_grad_norm_misuse(ranks):
     """Check that clip_grad_norm_ with a bad max_norm or norm_type, twice before a step, or
     beside grad_clip= raises a clear error on every rank, and the optimizer steps afterwards."""
     assert ranks(2).run(loops.clip_grad_norm_misuse) == [True, True]
+
+
+def test_setup_mismatch_raises_on_every_rank(ranks):
+    """Check that ranks building the sharding optimizer differently (lr, torch optimizer,
+    split_param, comm overlap, model width) all raise the same ValueError naming what differs,
+    that models seeded apart start from sharding rank 0's params (as DDP), and that
+    add_param_group under sharding's own overlap raises."""
+    results = ranks(2).run(loops.setup_mismatch)
+    assert len(results) == 2
+    (msgs0, start0), (msgs1, start1) = results
+    assert [n for n, _ in msgs0] == ["lr", "optimizer", "split_param", "overlap", "width"]
+    assert msgs0 == msgs1  # the same text on both ranks
+    for name, text in msgs0:
+        assert "global rank 0" in text and "global rank 1" in text, (name, text)
+    assert "hyper-parameters" in msgs0[0][1] and "torch optimizer" in msgs0[1][1]
+    assert "selects DygraphShardingOptimizer" in msgs0[2][1]
+    assert "params (shape" in msgs0[4][1]
+    assert len(start0) == len(start1) == 6
+    seed0 = [p.detach() for p in loops._mlp(loops.SIZES, seed=0).parameters()]
+    seed1 = [p.detach() for p in loops._mlp(loops.SIZES, seed=1).parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(seed0, seed1))  # they did differ
+    for a, b, want in zip(start0, start1, seed0):
+        assert torch.equal(a, want) and torch.equal(b, want)
