@@ -986,6 +986,16 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         self._check_template(optimizer)
         self._setup_own_overlap(strategy)
 
+    @property
+    def comm_buffers(self):
+        """The `FusedCommBuffer`s whose grads this optimizer reduces (a new list): v1 / v2's own
+        with `sharding_configs.comm_overlap`, v2's own without it, v2's view of the pipeline's
+        under `pp_configs.sharding_comm_overlap` (after the first train_batch); empty for v1
+        without overlap (it reduces grad by grad) and v1 under the pipeline's overlap (see the
+        pipeline's `_chunk_2_comm_buffers`). With release, `grad_storage is None` on each of
+        them from `zero_grad()` to the next step's first grad check-in."""
+        return list(self._own_buffers())
+
     def _split_param_problem(self, sharding_config):
         split = isinstance(self, DygraphShardingOptimizerV2)
         if bool(sharding_config.split_param) == split:

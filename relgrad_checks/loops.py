@@ -24,7 +24,7 @@ def _sharded(world, version, overlap, acc, release=True):
 
 
 def _buffers(opt):
-    return list(opt._own_buffers())
+    return opt.comm_buffers  # the public view the README points users to
 
 
 def _micro_batches(rank, world, step, acc):
