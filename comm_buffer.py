@@ -412,6 +412,20 @@ class FusedCommBuffer:
             grad = _grad_of(p, self.use_main_grad)
             self._grads_to_addr[p] = None if grad is None else grad.data_ptr()
 
+    def _moved_grads(self):
+        """Names of the params whose grad (main_grad) is no longer the view of its slot, the
+        check `add_grad` makes at each check-in, for a caller that checks (and agrees
+        across ranks) before a step starts. Empty with release on, where grads move into
+        the buffer at their first check-in."""
+        if self._release_grads:
+            return []
+        moved = []
+        for p in self._params:
+            grad = _grad_of(p, self.use_main_grad)
+            if (None if grad is None else grad.data_ptr()) != self._grads_to_addr[p]:
+                moved.append(self._name(p))
+        return moved
+
     def _init_step_dict(self):
         self._params_step_dict = {p: 0 for p in self._params}
 

@@ -24,7 +24,9 @@ Leaves out: AMP scaler, timers, freeing sent activations early (Paddle's `_relea
 References: Paddle PRs #59739, #58441; Narayanan et al., "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM" (2021); Harlap et al., "PipeDream" (2018).
 """
+import os
 from collections import defaultdict
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,10 +34,42 @@ from torch import nn
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, assign_group_by_size,
                          bw_hook_func, global_rank, main_grad_or_grad as _grad)
-from sharding import _check_grad_clip, _extras, agreed_all_reduce_mean, norm_groups
+from sharding import _check_grad_clip, _extras, agree, agreed_all_reduce_mean, norm_groups
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
+
+
+_MOVED_GRAD_MSG = (
+    "The address of the grad/main_grad of a param in a fused buffer changed between steps; "
+    "while the buffer holds it (release_gradients off), the grad must stay the view of its "
+    "slot. Likely causes: zero_grad(set_to_none=True) / clear_grad(set_to_zero=False), or "
+    "an out-of-place op that rebinds the grad (p.grad = p.grad / 2). Change grads in place "
+    "(p.grad.div_(2), zero_grad(set_to_none=False)), or turn pp_configs.release_gradients "
+    "on")
+_ABANDONED = []  # p2p works that timed out: kept, since gloo may still write their buffers
+
+
+class PipelineStageTimeout(TimeoutError):
+    """A stage waited past the pipe group's timeout for another stage (which is named)."""
+
+
+def _group_timeout(group):
+    """The timeout `group` was created with (gloo / nccl options), else torch's default."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+        return backend.options._timeout
+    except Exception:  # noqa: BLE001 (private API; fall back to the documented default)
+        return dist.default_pg_timeout if hasattr(dist, "default_pg_timeout") \
+            else timedelta(minutes=30)
+
+
+def _default_store():
+    """The default group's store (a side channel beside the collectives), or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 (private API)
+        return None
 
 
 def _cut_layers(layers, seg_boundaries, parts):
@@ -132,8 +166,11 @@ class PipelineParallel(nn.Module):
         self.schedule_trace = []
         # With nccl, the first call on the group that batch_isend_irecv uses must involve all
         # its ranks (torch's rule for P2POp); a tiny all-reduce does that on every backend.
-        dist.all_reduce(torch.zeros(1, device=self._device()),
-                        group=hcg.get_pipe_parallel_group())
+        # It also sums one random number per rank into an id this pipe's stages share: the
+        # key under which a failing stage leaves its error for the others (`_wait_p2p`).
+        uid = torch.tensor([int.from_bytes(os.urandom(5), "little")], device=self._device())
+        dist.all_reduce(uid, group=hcg.get_pipe_parallel_group())
+        self._uid, self._calls = int(uid), 0
         self._shared = self._shared_weights(shared_weights, bounds)
         self._grad_clip = None
         self._grads_pending = False  # a schedule ran and no _optimizer_step since
@@ -255,10 +292,98 @@ class PipelineParallel(nn.Module):
         """
         self._check_accumulation()  # before _prepare_training builds sharding buffers
         self._prepare_training(optimizer, lr_scheduler, grad_clip)
+        self._calls += 1
+        self._agree_at_entry()
         self.train()
-        loss = self.forward_backward_pipeline(data)
-        self._optimizer_step()
+        try:
+            loss = self.forward_backward_pipeline(data)
+            self._optimizer_step()
+        except Exception as error:  # noqa: BLE001 (re-raised; the other stages read it)
+            self._post_failure(error)
+            raise
         return loss
+
+    # ---- a stage that fails alone: agree first, then let the others know ----
+
+    def _agree_groups(self):
+        """The groups whose all-reduces, in turn, sum a flag over every rank of the job:
+        pipe, then sharding and dp where they have more than one rank."""
+        hcg, groups = self._hcg, [self._hcg.get_pipe_parallel_group()]
+        if hcg.get_sharding_parallel_world_size() > 1:
+            groups.append(hcg.get_sharding_parallel_group())
+        if hcg.get_data_parallel_world_size() > 1:
+            groups.append(hcg.get_data_parallel_group())
+        return groups
+
+    def _stage_local_problems(self):
+        """Misuse that only this stage can see, as `(rule, detail)` pairs for `agree`.
+
+        Beyond Paddle, whose buffers assert it in the backward hook (on that stage alone,
+        while the other stages wait in a p2p receive): with release off, every grad of a
+        fused buffer must still be the view of its slot when a step starts.
+        """
+        moved = []
+        for buffers in self._chunk_2_comm_buffers.values():
+            for buffer in buffers:
+                moved += buffer._moved_grads()
+        return [(_MOVED_GRAD_MSG, ", ".join(moved) or None)]
+
+    def _agree_at_entry(self):
+        """Beyond Paddle: before any p2p of a step, raise on every rank of the job the misuse
+        any stage sees (`_stage_local_problems`), with one small all-reduce per group. A
+        stage that never arrives fails the others at the group timeout, named."""
+        self._store_set(f"at{self.stage_id}", str(self._calls))
+        try:
+            agree([], self._stage_local_problems(), self._agree_groups(), self._device())
+        except RuntimeError as error:
+            if "imed out" not in str(error):
+                raise
+            absent = [s for s in range(self.num_stages)
+                      if self._store_get(f"at{s}") != str(self._calls)]
+            raise self._stage_timeout(
+                f"train_batch's entry check: stage(s) {absent} of the pipe (global rank(s) "
+                f"{[self._hcg.get_rank_from_stage(s) for s in absent]}) did not reach "
+                f"train_batch call {self._calls}", absent) from error
+
+    def _store_key(self, name):
+        return f"relgrad/pipe/{self._uid}/{name}"
+
+    def _store_set(self, name, value):
+        store = _default_store()
+        if store is not None:
+            store.set(self._store_key(name), value)
+
+    def _store_get(self, name):
+        store, key = _default_store(), self._store_key(name)
+        if store is None or not store.check([key]):
+            return None
+        return store.get(key).decode()
+
+    def _post_failure(self, error):
+        """Leave this stage's error where the other stages of the pipe look when a p2p wait
+        times out (the default group's store), tagged with this train_batch call."""
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        try:
+            self._store_set(f"failed{self.stage_id}",
+                            f"{self._calls}|{type(error).__name__}: {first[:300]}")
+        except Exception:  # noqa: BLE001 (the store may be gone; the error stands)
+            pass
+
+    def _stage_timeout(self, what, stages):
+        """A TimeoutError for a wait on `stages` that timed out, with what they left."""
+        seconds = _group_timeout(self._hcg.get_pipe_parallel_group()).total_seconds()
+        failed = []
+        for s in range(self.num_stages):
+            note = self._store_get(f"failed{s}") if s != self.stage_id else None
+            if note and note.split("|", 1)[0] == str(self._calls):
+                failed.append(f"stage {s} (global rank {self._hcg.get_rank_from_stage(s)}) "
+                              f"failed with {note.split('|', 1)[1]}")
+        cause = ("; ".join(failed) + " (see its traceback)") if failed else (
+            "no stage left an error: it may be stuck, or dead")
+        return PipelineStageTimeout(
+            f"stage {self.stage_id} (global rank {dist.get_rank()}): {what} within the pipe "
+            f"group's timeout of {seconds:g} s; {cause}. Another stage failed or stopped "
+            f"answering: stage(s) {sorted(stages)}")
 
     def _prepare_training(self, optimizer, lr_scheduler, grad_clip=None):
         _check_grad_clip(grad_clip)
@@ -485,7 +610,8 @@ class PipelineParallel(nn.Module):
         ops, got_prev, got_next = [], None, None
         if send_next is not None:
             if self._meta_sent is None:  # shape and dtype of activations, once per batch
-                dist.send(self._meta(send_next), dst=nxt, group=group)
+                meta = self._meta(send_next)
+                self._wait_p2p([dist.isend(meta, dst=nxt, group=group)], [nxt])
                 self._meta_sent = True
             ops.append(dist.P2POp(dist.isend, send_next.detach().contiguous(), nxt, group))
         if send_prev is not None and not first:
@@ -493,7 +619,7 @@ class PipelineParallel(nn.Module):
         if recv_prev and not first:
             if self._meta_recv is None:
                 meta = torch.zeros(_META_LEN, dtype=torch.long, device=self._device())
-                dist.recv(meta, src=prev, group=group)
+                self._wait_p2p([dist.irecv(meta, src=prev, group=group)], [prev])
                 code, ndim = int(meta[0]), int(meta[1])
                 self._meta_recv = (_DTYPES[code], [int(d) for d in meta[2 : 2 + ndim]])
             dtype, shape = self._meta_recv
@@ -503,13 +629,39 @@ class PipelineParallel(nn.Module):
             got_next = torch.empty_like(recv_next)
             ops.append(dist.P2POp(dist.irecv, got_next, nxt, group))
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            self._wait_p2p(dist.batch_isend_irecv(ops), [op.peer for op in ops])
         if recv_prev and first:
             return fallback
         if got_prev is not None:
             return got_prev.requires_grad_(got_prev.is_floating_point())
         return got_next
+
+    def _wait_p2p(self, works, peers):
+        """Wait for p2p `works` (one per op, to or from the global ranks `peers`), each
+        within the pipe group's timeout (gloo waits for ever by default). Beyond Paddle.
+
+        Raises PipelineStageTimeout (a TimeoutError) naming the peer's stage and, if that
+        stage (or another) failed in this train_batch call, its error. The timed-out op is
+        left pending (gloo cannot cancel it): the pipeline is not usable afterwards.
+        """
+        group = self._hcg.get_pipe_parallel_group()
+        if dist.get_backend(group) != "gloo":  # nccl: its watchdog enforces the timeout
+            for work in works:
+                work.wait()
+            return
+        timeout = _group_timeout(group)
+        peers = peers if len(peers) == len(works) else [None] * len(works)
+        for work, peer in zip(works, peers):
+            try:
+                work.wait(timeout)
+            except RuntimeError as error:
+                if "imed out" not in str(error):
+                    raise
+                _ABANDONED.append(works)  # gloo must not free a buffer it may still fill
+                stages = [s for s in range(self.num_stages)
+                          if peer in (None, self._hcg.get_rank_from_stage(s))]
+                raise self._stage_timeout(f"stage(s) {stages} did not answer a p2p message",
+                                          stages) from error
 
     def _meta(self, t):
         if t.dim() > _META_LEN - 2 or t.dtype not in _DTYPES:

@@ -144,11 +144,16 @@ class HybridCommunicateGroup:
         sharding   0 1 0 1 0 1 0 1
 
     Needs an initialised default process group; every rank creates every group, in order.
+    `timeout` (a timedelta) bounds each collective and p2p wait on the groups; None: the
+    default group's (torch's `new_group` would otherwise give its own default, 30 min, so a
+    stage waiting for a failed one would outlive the timeout the job was started with).
     Raises ValueError if the degrees do not multiply to the world size.
     """
 
-    def __init__(self, strategy):
+    def __init__(self, strategy, timeout=None):
         world, rank = dist.get_world_size(), dist.get_rank()
+        if timeout is None:
+            timeout = _default_group_timeout()
         strategy.check_world_size(world)
         shape = (strategy.dp_degree, strategy.pp_degree, strategy.sharding_degree)
         grid = torch.arange(world).reshape(shape)
@@ -157,7 +162,7 @@ class HybridCommunicateGroup:
         self._groups = []  # (group, global ranks) of this rank along dp, pp, sharding
         for axis, size in enumerate(shape):
             for ranks in grid.movedim(axis, -1).reshape(-1, size).tolist():
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     self._groups.append((group, ranks))
 
@@ -204,6 +209,15 @@ class HybridCommunicateGroup:
     def get_sharding_parallel_group(self):
         """The process group that shares one optimizer state."""
         return self._groups[2][0]
+
+
+def _default_group_timeout():
+    """The timeout the default group was initialised with (None if torch hides it)."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 (private API: new_group then uses its own default)
+        return None
 
 
 # ---- launcher ----

@@ -27,8 +27,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import comm_buffer
-from relgrad_checks import (checkpoints, clipping, contract, demo_peers, fused_buffer, interleave,
-                    pipe, sharding_overlap, zero)
+from relgrad_checks import (checkpoints, clipping, contract, demo_peers, failures, fused_buffer,
+                            interleave, pipe, sharding_overlap, zero)
 from relgrad_demo.memory import live_grad_bytes
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch)
@@ -757,3 +757,42 @@ def test_live_grad_bytes():
     model.weight.grad = buffer.grad_storage[:100].view(10, 10)  # a view: same storage
     model.bias.grad = torch.zeros(10)
     assert live_grad_bytes(model, opt, [buffer]) == 4000 + 40
+
+
+# ---------------------------------------------------------------- issue 18: failures end alike
+
+def _same_error(seen, world, match):
+    """Assert every one of `world` ranks raised, the same type, and the text matches."""
+    assert len(seen) == world
+    assert all(s is not None for s in seen), f"some rank did not raise: {seen}"
+    assert len({s[0] for s in seen}) == 1, seen
+    for name, text in seen:
+        assert match in text, (name, text)
+
+
+def test_failure_moved_grad_on_one_stage(ranks):
+    """Check a grad rebound out of place on stage 1 (pp 2 x sharding 2, v1, overlap, release
+    off) raises the same address error on all 4 ranks, before any p2p."""
+    seen = ranks(4).run(failures.moved_grad_on_one_stage, timeout=60)
+    _same_error(seen, 4, "address of the grad/main_grad")
+    assert all("seen on 2 rank(s)" in text for _, text in seen)
+
+
+def test_failure_stage_raises_mid_schedule(ranks):
+    """Check a loss that raises on the last stage mid-schedule fails the other stage within
+    the pipe group's timeout, naming the failed stage and its error."""
+    (last, _, _), (first, spent, is_timeout) = ranks(2).run(
+        failures.stage_fails_mid_schedule, 3, timeout=60)[::-1]
+    assert last == ("RuntimeError", "injected loss failure on the last stage")
+    assert first[0] == "PipelineStageTimeout" and is_timeout
+    assert "stage 1 (global rank 1) failed with RuntimeError: injected loss" in first[1]
+    assert 2.5 < spent < 30
+
+
+def test_failure_stage_never_arrives(ranks):
+    """Check a stage that never calls train_batch fails the other one at the group timeout,
+    named, instead of leaving it waiting."""
+    first, last = ranks(2).run(failures.stage_never_arrives, 3, timeout=60)
+    assert last is None
+    assert first[0] == "PipelineStageTimeout", first
+    assert "stage(s) [1] of the pipe (global rank(s) [1]) did not reach" in first[1]

@@ -300,7 +300,7 @@ class PipelineParallelWithInterleave(PipelineParallel):
             self._meta_sent.add(send_chunk)
         if recv_prev is not None and recv_prev not in self._meta_recv:
             meta = torch.zeros(_META_LEN, dtype=torch.long, device=self._device())
-            dist.recv(meta, src=prev, group=group)
+            self._wait_p2p([dist.irecv(meta, src=prev, group=group)], [prev])
             code, ndim = int(meta[0]), int(meta[1])
             self._meta_recv[recv_prev] = (_DTYPES[code], [int(d) for d in meta[2 : 2 + ndim]])
         if send_next is not None:
@@ -315,10 +315,8 @@ class PipelineParallelWithInterleave(PipelineParallel):
             got_next = torch.empty_like(recv_next)
             ops.append(dist.P2POp(dist.irecv, got_next, nxt, group))
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        for _, work in meta_works:
-            work.wait()
+            self._wait_p2p(dist.batch_isend_irecv(ops), [op.peer for op in ops])
+        self._wait_p2p([work for _, work in meta_works], [nxt] * len(meta_works))
         if got_prev is not None:
             got_prev.requires_grad_(got_prev.is_floating_point())
         return got_prev, got_next

@@ -1,0 +1,97 @@
+"""Rank-side checks of issue-18's kinds: every rank ends with the same clear error, in bounded
+time (a stage that fails alone, a rank that ran fewer backward passes); 16-bit sums that do
+not overflow; a scheduler resumed on the v2 pipeline path."""
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline import PipelineParallel, PipelineStageTimeout
+from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig
+from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
+
+
+class Scale(nn.Module):
+    """`w * x` with a scalar param w = 1."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones((), dtype=dtype))
+
+    def forward(self, x):
+        return self.w * x
+
+
+def _caught(fn, *args):
+    """`(type name, message)` of what `fn(*args)` raised, or None if it returned."""
+    try:
+        fn(*args)
+    except Exception as error:  # noqa: BLE001 (the test compares what every rank saw)
+        return type(error).__name__, str(error)
+    return None
+
+
+def _pp_strategy(pp, sharding, acc, release=False, split_param=False, **pp_flags):
+    return HybridStrategy(pp_degree=pp, sharding_degree=sharding, accumulate_steps=acc,
+                          pp_configs=PpConfig(release_gradients=release, **pp_flags),
+                          sharding_configs=DygraphShardingConfig(split_param=split_param))
+
+
+def _mean_loss(out, y):
+    return ((out - y) ** 2).mean()
+
+
+# ---------------------------------------------------------------- kind 1: a stage fails alone
+
+def moved_grad_on_one_stage(rank, world):
+    """The issue's example: pp 2 x sharding 2, v1, pipeline sharding overlap, release off;
+    stage 1 rebinds its grad out of place after step 1. Returns what step 2 raised here."""
+    st = _pp_strategy(2, 2, 2, sharding_comm_overlap=True)
+    hcg = HybridCommunicateGroup(st)
+    model = PipelineParallel([Scale(), Scale()], hcg, st, _mean_loss)
+    opt = DygraphShardingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hcg, st)
+    data = (torch.ones(4, 1), torch.zeros(4, 1))
+    model.train_batch(data, opt)
+    if hcg.get_stage_id() == 1:
+        for p in model.parameters():
+            p.grad = p.grad / 2  # out of place: no longer the buffer's view
+    return _caught(model.train_batch, data, opt)
+
+
+class _FailOnce:
+    """A loss that raises on its second call (micro-batch 1 of the first step)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, out, y):
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("injected loss failure on the last stage")
+        return _mean_loss(out, y)
+
+
+def stage_fails_mid_schedule(rank, world, seconds):
+    """pp 2, the last stage's loss raises in micro-batch 1; the pipe group's timeout is
+    `seconds`. Returns (what this rank raised, seconds it took)."""
+    st = _pp_strategy(2, 1, 4)
+    hcg = HybridCommunicateGroup(st, timeout=timedelta(seconds=seconds))
+    model = PipelineParallel([Scale(), Scale()], hcg, st, _FailOnce())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = time.monotonic()
+    seen = _caught(model.train_batch, (torch.ones(4, 1), torch.zeros(4, 1)), opt)
+    return seen, time.monotonic() - start, issubclass(PipelineStageTimeout, TimeoutError)
+
+
+def stage_never_arrives(rank, world, seconds):
+    """pp 2: stage 1 builds the pipeline but never calls train_batch. Returns what stage 0
+    raised (None on stage 1)."""
+    st = _pp_strategy(2, 1, 2)
+    hcg = HybridCommunicateGroup(st, timeout=timedelta(seconds=seconds))
+    model = PipelineParallel([Scale(), Scale()], hcg, st, _mean_loss)
+    if hcg.get_stage_id() == 1:
+        return None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return _caught(model.train_batch, (torch.ones(2, 1), torch.zeros(2, 1)), opt)
