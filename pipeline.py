@@ -34,7 +34,7 @@ from torch import nn
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, assign_group_by_size,
                          bw_hook_func, global_rank, main_grad_or_grad as _grad)
-from sharding import _check_grad_clip, _extras, agree, agreed_all_reduce_mean, norm_groups
+from sharding import _check_grad_clip, _extras, agreed_all_reduce_mean, norm_groups
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
@@ -330,11 +330,18 @@ class PipelineParallel(nn.Module):
 
     def _agree_at_entry(self):
         """Beyond Paddle: before any p2p of a step, raise on every rank of the job the misuse
-        any stage sees (`_stage_local_problems`), with one small all-reduce per group. A
-        stage that never arrives fails the others at the group timeout, named."""
+        any stage sees (`_stage_local_problems`) and accumulate_steps that differ across
+        ranks (a rank with fewer micro-batches would leave its peers' bucket collectives
+        unmatched), with one small all-reduce per group. A stage that never arrives fails
+        the others at the group timeout, named."""
+        rules = self._stage_local_problems()
+        acc = self.accumulate_steps
+        flags = torch.tensor([int(d is not None) for _, d in rules] + [acc, acc * acc, 1],
+                             dtype=torch.int64, device=self._device())
         self._store_set(f"at{self.stage_id}", str(self._calls))
         try:
-            agree([], self._stage_local_problems(), self._agree_groups(), self._device())
+            for group in self._agree_groups():
+                dist.all_reduce(flags, group=group)
         except RuntimeError as error:
             if "imed out" not in str(error):
                 raise
@@ -344,6 +351,18 @@ class PipelineParallel(nn.Module):
                 f"train_batch's entry check: stage(s) {absent} of the pipe (global rank(s) "
                 f"{[self._hcg.get_rank_from_stage(s) for s in absent]}) did not reach "
                 f"train_batch call {self._calls}", absent) from error
+        *counts, total, squares, n = flags.tolist()
+        for (rule, detail), count in zip(rules, counts):
+            if count:
+                here = f"; on this rank: {detail}" if detail is not None else ""
+                raise ValueError(f"{rule} (seen on {count} rank(s) of the job{here})")
+        if total * total != squares * n:  # not all equal: mean squared != mean of squares
+            raise ValueError(
+                f"accumulate_steps differs across the ranks of the job (here {acc}, mean "
+                f"{total / n:g} over {n} ranks): a rank with fewer micro-batches runs fewer "
+                "backward passes, and the bucket collectives and p2p messages of the others "
+                "would wait for ever. Build every rank's HybridStrategy with the same "
+                "accumulate_steps")
 
     def _store_key(self, name):
         return f"relgrad/pipe/{self._uid}/{name}"

@@ -775,7 +775,7 @@ def test_failure_moved_grad_on_one_stage(ranks):
     off) raises the same address error on all 4 ranks, before any p2p."""
     seen = ranks(4).run(failures.moved_grad_on_one_stage, timeout=60)
     _same_error(seen, 4, "address of the grad/main_grad")
-    assert all("seen on 2 rank(s)" in text for _, text in seen)
+    assert all("seen on 2 rank(s) of the job" in text for _, text in seen)
 
 
 def test_failure_stage_raises_mid_schedule(ranks):
@@ -796,3 +796,30 @@ def test_failure_stage_never_arrives(ranks):
     assert last is None
     assert first[0] == "PipelineStageTimeout", first
     assert "stage(s) [1] of the pipe (global rank(s) [1]) did not reach" in first[1]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("release", [False, True])
+def test_failure_fewer_backward_passes_own_overlap(ranks, version, release):
+    """Check a rank with 1 of 2 backward passes (and one with 0) under sharding's own
+    overlap raises the same error naming the counts on both ranks, and the next step is
+    right."""
+    for passes in ([2, 1], [0, 2]):
+        seen = ranks(2).run(failures.fewer_backward_passes, version, release, passes,
+                            timeout=60)
+        _same_error([s[0] for s in seen], 2, "Backward passes per rank: ")
+        for _, text in (s[0] for s in seen):
+            assert (f"sharding rank 0 (global rank 0): {passes[0]}" in text
+                    and f"sharding rank 1 (global rank 1): {passes[1]}" in text), text
+        for _, params, reference in seen:
+            assert len(params) == len(reference) == 4
+            for p, q in zip(params, reference):
+                torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_failure_accumulate_steps_differ_under_pipeline(ranks, version):
+    """Check a rank whose strategy has fewer micro-batches (pp 2 x sharding 2, pipeline
+    overlap) raises the same error on all 4 ranks before any p2p or bucket collective."""
+    seen = ranks(4).run(failures.pipeline_accumulate_steps_differ, version, timeout=60)
+    _same_error(seen, 4, "accumulate_steps differs across the ranks of the job")

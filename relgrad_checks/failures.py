@@ -95,3 +95,59 @@ def stage_never_arrives(rank, world, seconds):
         return None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     return _caught(model.train_batch, (torch.ones(2, 1), torch.zeros(2, 1)), opt)
+
+
+# ---------------------------------------------------------------- kind 2: fewer backward passes
+
+def _own_overlap_strategy(world, acc, release, split_param):
+    return HybridStrategy(
+        sharding_degree=world, pp_configs=PpConfig(release_gradients=release),
+        sharding_configs=DygraphShardingConfig(split_param=split_param, accumulate_steps=acc,
+                                               comm_overlap=True))
+
+
+def fewer_backward_passes(rank, world, version, release, passes):
+    """The issue's example: sharding over all ranks, own comm overlap, accumulate_steps 2,
+    Linear(3, 1) and Linear(1, 2) (two buckets for v1's owners), SGD; rank r runs
+    `passes[r]` backward passes, then step(). Returns (what step raised, the params after a
+    correct step that follows, and a one-process reference of that step)."""
+    st = _own_overlap_strategy(world, 2, release, version == 2)
+    hcg = HybridCommunicateGroup(st)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 1), nn.Linear(1, 2))
+    reference = nn.Sequential(nn.Linear(3, 1), nn.Linear(1, 2))
+    reference.load_state_dict(model.state_dict())
+    cls = DygraphShardingOptimizer if version == 1 else DygraphShardingOptimizerV2
+    opt = cls(torch.optim.SGD(model.parameters(), lr=0.1), hcg, st)
+    x = torch.arange(6.0).reshape(2, 3) + rank
+    for _ in range(passes[rank]):
+        (model(x).square().mean() / 2).backward()
+    seen = _caught(opt.step)
+    opt.zero_grad(set_to_none=release)
+    # the next step is right: both passes on every rank, compared with one process
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for r in range(world):
+        xr = torch.arange(6.0).reshape(2, 3) + r
+        for _ in range(2):
+            (reference(xr).square().mean() / 2 / world).backward()
+    ref_opt.step()
+    for _ in range(2):
+        (model(x).square().mean() / 2).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=release)
+    return seen, [p.detach().clone() for p in model.parameters()], \
+        [p.detach().clone() for p in reference.parameters()]
+
+
+def pipeline_accumulate_steps_differ(rank, world, version):
+    """pp 2 x sharding 2 with the pipeline's sharding overlap, release on; global rank 3
+    builds its strategy with accumulate_steps 1, the others 2. Returns what train_batch
+    raised."""
+    st = _pp_strategy(2, 2, 1 if rank == 3 else 2, release=True, split_param=version == 2,
+                      sharding_comm_overlap=True)
+    hcg = HybridCommunicateGroup(st)
+    model = PipelineParallel([Scale(), Scale()], hcg, st, _mean_loss)
+    cls = DygraphShardingOptimizer if version == 1 else DygraphShardingOptimizerV2
+    opt = cls(torch.optim.SGD(model.parameters(), lr=0.1), hcg, st)
+    batch = st.accumulate_steps * 2
+    return _caught(model.train_batch, (torch.ones(batch, 1), torch.zeros(batch, 1)), opt)
