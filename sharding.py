@@ -808,7 +808,8 @@ class _OwnOverlap:
         Differs from Paddle's v1 tensor fusion (`fused_parameters`), which also fuses the params
         and the optimizer into flat tensors (fuse_param, which Paddle does not allow with
         release) and scales before the reduce on every rank; here the params stay as they are,
-        release works, and only the owner scales, after the reduce.
+        release works, and only the owner scales, after the reduce (bf16 / fp16 buckets: every
+        rank, before, so that the sum cannot overflow: `comm_buffer.sums_in_16_bits`).
         """
         for rank in range(self._nranks):
             params = [p for p in self._parameter_list

@@ -823,3 +823,34 @@ def test_failure_accumulate_steps_differ_under_pipeline(ranks, version):
     overlap) raises the same error on all 4 ranks before any p2p or bucket collective."""
     seen = ranks(4).run(failures.pipeline_accumulate_steps_differ, version, timeout=60)
     _same_error(seen, 4, "accumulate_steps differs across the ranks of the job")
+
+
+def test_fp16_sums_do_not_overflow(ranks):
+    """Check an fp16 scalar pulled by 40000 and 30000 on 2 ranks steps to w = 0.65 (the mean,
+    35000, fits fp16; the sum does not) on every path that averages grads in 16 bits."""
+    results = ranks(2).run(failures.fp16_sums, timeout=90)
+    masters = torch.tensor(1 - 1e-5 * 35000).half()  # the wrappers step an fp32 master
+    w = nn.Parameter(torch.ones((), dtype=torch.float16))  # a torch optimizer steps in fp16
+    w.grad = torch.tensor(35000.0, dtype=torch.float16)
+    torch.optim.SGD([w], lr=1e-5).step()
+    assert not torch.equal(w.detach(), masters)  # the two references differ: both are needed
+    assert len(results) == 2
+    for result in results:
+        assert list(result) == list(failures.FP16_PATHS)
+        for path, got in result.items():
+            expected = w.detach() if path.startswith("dp") else masters
+            assert got.dtype == torch.float16 and torch.equal(got, expected), (path, got)
+    stages = ranks(4).run(failures.fp16_pipeline_dp_overlap, timeout=90)  # dp_comm_overlap
+    assert len(stages) == 4
+    assert all(got.dtype == torch.float16 and torch.equal(got, w.detach()) for got in stages)
+
+
+def test_fp32_sums_still_scale_after(ranks):
+    """Check fp32 fused buffers and all_reduce_mean still divide after the sum (3 ranks, a
+    sum whose rounding differs when divided first)."""
+    results = ranks(3).run(failures.fused_buffer_fp32_unchanged)
+    total = sum(r[2] for r in results)
+    after = total * (1.0 / 3)
+    assert not torch.equal(after, sum(r[2] * (1.0 / 3) for r in results)), "a weak case"
+    for fused, mean, _ in results:
+        assert torch.equal(fused, after) and torch.equal(mean, after)

@@ -151,3 +151,77 @@ def pipeline_accumulate_steps_differ(rank, world, version):
     opt = cls(torch.optim.SGD(model.parameters(), lr=0.1), hcg, st)
     batch = st.accumulate_steps * 2
     return _caught(model.train_batch, (torch.ones(batch, 1), torch.zeros(batch, 1)), opt)
+
+
+# ---------------------------------------------------------------- kind 3: 16-bit sums
+
+_PULLS = (40000.0, 30000.0)  # per rank: the fp16 sum 70000 overflows, the mean 35000 fits
+
+
+def _fp16_case(path, rank, world):
+    """One fp16 scalar w = 1 trained one step on rank r with the grad _PULLS[r]; returns w."""
+    release = path != "v1 own overlap, release off"
+    if path == "dp all-reduce (pipeline, pp 1 x dp 2)":
+        st = HybridStrategy(dp_degree=2, pp_configs=PpConfig(release_gradients=True))
+        hcg = HybridCommunicateGroup(st)
+        model = PipelineParallel([Scale(torch.float16)], hcg, st,
+                                 lambda out, y: (out.float() * y).sum())
+        opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+        model.train_batch((torch.ones(1, 1, dtype=torch.float16),
+                           torch.full((1, 1), _PULLS[rank])), opt)
+        return model._layers[0].w.detach().clone()
+    overlap = "own overlap" in path
+    st = HybridStrategy(sharding_degree=2, pp_configs=PpConfig(release_gradients=release),
+                        sharding_configs=DygraphShardingConfig(
+                            split_param=path.startswith("v2"), comm_overlap=overlap))
+    hcg = HybridCommunicateGroup(st)
+    model = Scale(torch.float16)
+    cls = DygraphShardingOptimizerV2 if path.startswith("v2") else DygraphShardingOptimizer
+    opt = cls(torch.optim.SGD(model.parameters(), lr=1e-5), hcg, st)
+    (model(torch.ones((), dtype=torch.float16)).float() * _PULLS[rank]).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=release)
+    return model.w.detach().clone()
+
+
+FP16_PATHS = ("v2, release on", "v2 own overlap, release on", "v1 own overlap, release on",
+              "v1 own overlap, release off", "v1, release on",
+              "dp all-reduce (pipeline, pp 1 x dp 2)")
+
+
+def fp16_sums(rank, world):
+    """{path: w after one step} for each path of FP16_PATHS."""
+    return {path: _fp16_case(path, rank, world) for path in FP16_PATHS}
+
+
+def fused_buffer_fp32_unchanged(rank, world):
+    """An fp32 ALL_REDUCE buffer and all_reduce_mean still scale after the sum: integer
+    grads whose mean rounds differently when divided by 3 ranks first. Returns the reduced
+    values and this rank's grads."""
+    import comm_buffer
+    from comm_buffer import HOOK_ACTION, FusedCommBuffer, bw_hook_func
+    p = nn.Parameter(torch.zeros(64))
+    buf = FusedCommBuffer(0, [p], None, 1, HOOK_ACTION.ALL_REDUCE, release_grads=True)
+    p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+    gen = torch.Generator().manual_seed(rank)  # integers: the sum is exact in any order
+    grads = torch.randint(1, 1000, (64,), generator=gen).float()
+    (p * grads).sum().backward()
+    buf.scale_grads()
+    fused = p.grad.clone()
+    g = grads.clone()
+    comm_buffer.all_reduce_mean([g], None)
+    return fused, g, grads
+
+
+def fp16_pipeline_dp_overlap(rank, world):
+    """pp 2 x dp 2, the pipeline's dp_comm_overlap, release on: two fp16 stages `w * x`
+    pulled by _PULLS[dp rank]. Returns this stage's w after one step."""
+    st = HybridStrategy(dp_degree=2, pp_degree=2,
+                        pp_configs=PpConfig(release_gradients=True, dp_comm_overlap=True))
+    hcg = HybridCommunicateGroup(st)
+    model = PipelineParallel([Scale(torch.float16), Scale(torch.float16)], hcg, st,
+                             lambda out, y: (out.float() * y).sum())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+    pull = _PULLS[hcg.get_data_parallel_rank()]
+    model.train_batch((torch.ones(1, 1, dtype=torch.float16), torch.full((1, 1), pull)), opt)
+    return model._layers[0].w.detach().clone()
