@@ -854,3 +854,19 @@ def test_fp32_sums_still_scale_after(ranks):
     assert not torch.equal(after, sum(r[2] * (1.0 / 3) for r in results)), "a weak case"
     for fused, mean, _ in results:
         assert torch.equal(fused, after) and torch.equal(mean, after)
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_resumed_scheduler_under_pipeline(ranks, version):
+    """Check a StepLR resumed on pp 2 x sharding 2 (pipeline overlap, release on) reads lr
+    0.025 and initial_lr 0.1 right after load_state_dict, an lr set before the first
+    train_batch stays, and 2 more batches equal the uninterrupted run bitwise."""
+    results = ranks(4).run(failures.resumed_scheduler_v2_pipeline, version, timeout=90)
+    plain = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)
+    plain.param_groups[0].update(lr=0.025, initial_lr=0.1)  # what torch's load leaves
+    torch.optim.lr_scheduler.StepLR(plain, 1, 0.5, last_epoch=1)
+    assert len(results) == 4
+    for seen, got, want in results:
+        assert seen == [0.025, 0.1] + [plain.param_groups[0]["lr"]] * 2
+        assert len(got) == len(want) > 0
+        assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -1,6 +1,7 @@
 """Rank-side checks of issue-18's kinds: every rank ends with the same clear error, in bounded
 time (a stage that fails alone, a rank that ran fewer backward passes); 16-bit sums that do
 not overflow; a scheduler resumed on the v2 pipeline path."""
+import copy
 import time
 from datetime import timedelta
 
@@ -225,3 +226,54 @@ def fp16_pipeline_dp_overlap(rank, world):
     pull = _PULLS[hcg.get_data_parallel_rank()]
     model.train_batch((torch.ones(1, 1, dtype=torch.float16), torch.full((1, 1), pull)), opt)
     return model._layers[0].w.detach().clone()
+
+
+# ---------------------------------------------------------------- kind 4: resumed scheduler
+
+def resumed_scheduler_v2_pipeline(rank, world, version):
+    """The issue's example: pp 2 x sharding 2, pipeline sharding overlap, release on, acc 2,
+    SGD(lr 0.1, momentum 0.9) with StepLR(1, 0.5); 2 batches, consolidate per stage; a fresh
+    pipeline and optimizer load the model and the dict before any train_batch. Returns (lr
+    and initial_lr right after the load, params after 2 more batches resumed, the same
+    uninterrupted)."""
+    from comm_buffer import global_rank
+    from relgrad_checks.common import PIPE_SIZES, _data, _mse, _pipe_layers
+    st = _pp_strategy(2, 2, 2, release=True, split_param=version == 2,
+                      sharding_comm_overlap=True)
+    hcg = HybridCommunicateGroup(st)
+    group = hcg.get_sharding_parallel_group()
+    cls = DygraphShardingOptimizer if version == 1 else DygraphShardingOptimizerV2
+
+    def build():
+        model = PipelineParallel(_pipe_layers(), hcg, st, _mse)
+        opt = cls(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), hcg, st)
+        return model, opt
+
+    def train(model, opt, sched, steps):
+        for step in steps:
+            x, y = (t.chunk(2)[hcg.get_sharding_parallel_rank()]
+                    for t in _data(step, 8, PIPE_SIZES[0], PIPE_SIZES[-1]))
+            model.train_batch((x, y), opt, sched)
+        return [p.detach().clone() for p in model.parameters()]
+
+    model, opt = build()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    train(model, opt, sched, range(2))
+    saved = [copy.deepcopy(model.state_dict()), opt.consolidate_state_dict(to=0),
+             sched.state_dict()]
+    dist.broadcast_object_list(saved, src=global_rank(group, 0), group=group)  # "the file"
+    want = train(model, opt, sched, range(2, 4))
+    model, opt = build()
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    seen = [opt.param_groups[0]["lr"], opt.param_groups[0].get("initial_lr")]
+    torch.optim.lr_scheduler.StepLR(opt, 1, 0.5, last_epoch=1)  # needs initial_lr
+    seen.append(opt.param_groups[0]["lr"])  # torch's rule: one more step of the schedule
+    train(model, opt, None, range(2, 3))  # v2 cuts the loaded state here: lr stays as set
+    seen.append(opt.param_groups[0]["lr"])
+    model, opt = build()  # torch's recipe: a new scheduler, then its state_dict
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    sched.load_state_dict(saved[2])
+    return seen, train(model, opt, sched, range(2, 4)), want

@@ -60,7 +60,13 @@ def consolidate(opt, to):
     groups = _full_groups(opt)
     pending = getattr(opt, "_pending_state", None)
     if pending is not None:  # loaded before the pipeline built v2's buffers; not stepped since
-        return copy.deepcopy(pending) if opt._rank == to else None
+        if opt._rank != to:
+            return None
+        result = copy.deepcopy(pending)  # with the hyper-parameters as they are now
+        for saved, group in zip(result["param_groups"], _torch_opt(opt).param_groups):
+            saved.update({k: copy.deepcopy(v) for k, v in group.items()
+                          if k not in ("params", "param_names")})
+        return result
     # collect this rank's pieces
     inner, masters = _torch_opt(opt), _masters(opt)
     state, master_pieces = {}, {}
@@ -144,8 +150,10 @@ def apply_pending(opt):
     pending = getattr(opt, "_pending_state", None)
     if pending is not None:
         opt._pending_state = None
-        # the groups were checked against this optimizer at load; v2 knows them locally
-        _apply_full(opt, pending, _local_groups(opt))
+        # the groups were checked against this optimizer at load; v2 knows them locally.
+        # The hyper-parameters went in at load: what was set since (an LR scheduler built
+        # or stepped before the first train_batch) stays.
+        _apply_full(opt, pending, _local_groups(opt), hyper=False)
 
 
 def check_full(opt, state_dict, groups):
@@ -210,14 +218,15 @@ def _place(value, name, piece, key_param, group):
     return value.to(dtype=dtype, device=key_param.device, copy=True)
 
 
-def _apply_full(opt, state_dict, groups):
+def _apply_full(opt, state_dict, groups, hyper=True):
     ids = _id_map(state_dict, groups)
     by_index = {ids[k]: v for k, v in state_dict["state"].items()}
     saved_masters = {ids[k]: v for k, v in state_dict.get("master_weights", {}).items()}
     inner, masters, pieces = _torch_opt(opt), _masters(opt), _local_pieces(opt)
     index, targets, start = _target_index(opt), _targets(opt), 0
     inner.state.clear()
-    _apply_hyper(opt, state_dict)
+    if hyper:
+        _apply_hyper(opt, state_dict)
     for group in inner.param_groups:
         for target in targets[start : start + len(group["params"])]:
             i = index[target]
