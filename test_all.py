@@ -870,3 +870,104 @@ def test_resumed_scheduler_under_pipeline(ranks, version):
         assert seen == [0.025, 0.1] + [plain.param_groups[0]["lr"]] * 2
         assert len(got) == len(want) > 0
         assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+# ---------------------------------------------------------------- issue 18: the command line
+
+@pytest.mark.parametrize("args, message", [
+    (["--trace", "/no/such/dir/t.json"], "--trace /no/such/dir/t.json: cannot write a file "
+                                         "there (no folder /no/such/dir)"),
+    (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--timeout", "0"], "--timeout must be a finite number of seconds > 0, got 0.0"),
+    (["--peers", "--main-grad"], "on 2 processes; drop --main-grad (relgrad.py --help"),
+    (["--peers", "--pp", "3", "--sharding", "1"], "drop --pp 3 --sharding 1 (relgrad.py"),
+    (["--pp", "x"], "argument --pp: invalid int value: 'x'"),
+])
+def test_cli_bad_argument_one_line(capsys, args, message):
+    """Check each bad flag ends in one line naming it and the fix, status 2, before any
+    process starts."""
+    import relgrad
+    with pytest.raises(SystemExit) as done:
+        relgrad.parse_args(args)
+    assert done.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("relgrad.py: error: "), lines
+    assert message in lines[0], lines[0]
+
+
+def test_cli_binary_data_refused(capsys, tmp_path):
+    """Check --data on a binary file is refused in one line (not decoded into a vocab of
+    replacement characters), while a UTF-8 text file with a few accents is accepted."""
+    import relgrad
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(bytes(range(256)) * 64)
+    with pytest.raises(SystemExit) as done:
+        relgrad.parse_args(["--data", str(binary)])
+    assert done.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "does not look like UTF-8 text" in lines[0], lines
+    text = tmp_path / "text.txt"
+    text.write_text("Grüße, naïve café. " * 40, encoding="utf-8")
+    _, opts = relgrad.parse_args(["--data", str(text), "--block", "16"])
+    assert opts["data"] == str(text)
+
+
+def test_cli_degrees_under_torchrun(capsys, monkeypatch):
+    """Check under torchrun's environment degrees that do not multiply to WORLD_SIZE end in
+    one line and status 2 on every rank (printed by rank 0), before any process group."""
+    import relgrad
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, printed in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        assert relgrad.main([]) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == printed, lines
+        assert all("= 4 (1 * 2 * 2) must equal the world size 2" in line for line in lines)
+        assert not dist.is_initialized()
+
+
+def test_cli_timeout_one_line(capsys):
+    """Check a --timeout too short for the run ends in one line and status 1, not a
+    traceback."""
+    import relgrad
+    assert relgrad.main(["--timeout", "1", "--pp", "1", "--steps", "1", "--layers", "1",
+                         "--d-model", "16", "--block", "8"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "still running after 1 s" in lines[0], lines
+    assert "rerun with a larger --timeout" in lines[0]
+
+
+def test_cli_help_free_grads_and_step_time_verdict(capsys):
+    """Check --help shows no list default for --free-grads-in-comm, and the step-time verdict
+    says there are too few timed steps below 3 (one or two timed steps)."""
+    import relgrad
+    from relgrad_demo.report import time_ratio
+    with pytest.raises(SystemExit):
+        relgrad.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    options = text.split("options:", 1)[1]
+    entry = options.split("--free-grads-in-comm ", 1)[1].split(" --", 1)[0]
+    assert "collective" in entry and "default" not in entry, entry
+    for n in (1, 2):
+        assert time_ratio([1.0] * n, [2.0] * n)["verdict"].startswith("too few timed steps")
+    assert time_ratio([1.0] * 3, [2.0] * 3)["verdict"] == "on is faster than off"
+
+
+def test_demo_vpp_phases_and_tied_params(tmp_path):
+    """Check the demo with --vpp 2 fills every phase row, and its param count is the one
+    process LM's with the tied embedding / head counted once."""
+    from relgrad_demo.lm import Corpus, lm_layers
+    result = _run_json([sys.executable, "relgrad.py", "--json", "--vpp", "2", "--steps", "2",
+                        "--layers", "2", "--d-model", "16", "--block", "16",
+                        "--micro-batch-size", "1"])
+    assert len(result["modes"]["on"]["phase_bytes"]) == 4
+    for mode in ("off", "on"):
+        for row in result["modes"][mode]["phase_bytes"]:
+            assert len(row) == len(_PHASES) and None not in row, (mode, row)
+    opts = {"d_model": 16, "seed": 0, "main_grad": False, "block": 16, "layers": 2,
+            "data": None}
+    vocab = len(Corpus({**opts, "micro_batch_size": 1, "micro_batches": 4}).vocab)
+    layers = [build() for build in lm_layers(vocab, opts, torch.device("cpu"))]
+    total = sum(p.numel() for layer in layers for p in layer.parameters())
+    assert result["config"]["model"]["params"] == total - vocab * 16  # the head's tied copy
