@@ -291,9 +291,13 @@ class PipelineParallel(nn.Module):
         ValueError; another type raises TypeError.
         """
         self._check_accumulation()  # before _prepare_training builds sharding buffers
-        self._prepare_training(optimizer, lr_scheduler, grad_clip)
         self._calls += 1
-        self._agree_at_entry()
+        try:  # a stage that refuses to start (its config, its buffers) tells the others
+            self._prepare_training(optimizer, lr_scheduler, grad_clip)
+            refused = None
+        except (ValueError, TypeError) as error:
+            refused = error
+        self._agree_at_entry(refused)
         self.train()
         try:
             loss = self.forward_backward_pipeline(data)
@@ -328,16 +332,23 @@ class PipelineParallel(nn.Module):
                 moved += buffer._moved_grads()
         return [(_MOVED_GRAD_MSG, ", ".join(moved) or None)]
 
-    def _agree_at_entry(self):
+    def _agree_at_entry(self, refused=None):
         """Beyond Paddle: before any p2p of a step, raise on every rank of the job the misuse
-        any stage sees (`_stage_local_problems`) and accumulate_steps that differ across
-        ranks (a rank with fewer micro-batches would leave its peers' bucket collectives
-        unmatched), with one small all-reduce per group. A stage that never arrives fails
+        any stage sees (`_stage_local_problems`), an error that `_prepare_training` raised
+        on some rank (`refused`: a config or buffer that one stage finds wrong), and
+        accumulate_steps that differ across ranks (a rank with fewer micro-batches would
+        leave its peers' bucket collectives unmatched), with one small all-reduce per group
+        (and, if some rank refused, one more naming it). A stage that never arrives fails
         the others at the group timeout, named."""
         rules = self._stage_local_problems()
         acc = self.accumulate_steps
-        flags = torch.tensor([int(d is not None) for _, d in rules] + [acc, acc * acc, 1],
+        flags = torch.tensor([int(d is not None) for _, d in rules]
+                             + [int(refused is not None), acc, acc * acc, 1],
                              dtype=torch.int64, device=self._device())
+        store = _default_store()
+        if refused is not None and store is not None:  # read after the all-reduce below
+            store.set(f"relgrad/pipe/refused{dist.get_rank()}",
+                      f"{self._calls}|{type(refused).__name__}: {refused}")
         self._store_set(f"at{self.stage_id}", str(self._calls))
         try:
             for group in self._agree_groups():
@@ -351,7 +362,9 @@ class PipelineParallel(nn.Module):
                 f"train_batch's entry check: stage(s) {absent} of the pipe (global rank(s) "
                 f"{[self._hcg.get_rank_from_stage(s) for s in absent]}) did not reach "
                 f"train_batch call {self._calls}", absent) from error
-        *counts, total, squares, n = flags.tolist()
+        *counts, refusals, total, squares, n = flags.tolist()
+        if refusals:
+            self._raise_refused(refused, refusals)
         for (rule, detail), count in zip(rules, counts):
             if count:
                 here = f"; on this rank: {detail}" if detail is not None else ""
@@ -363,6 +376,25 @@ class PipelineParallel(nn.Module):
                 "backward passes, and the bucket collectives and p2p messages of the others "
                 "would wait for ever. Build every rank's HybridStrategy with the same "
                 "accumulate_steps")
+
+    def _raise_refused(self, refused, refusals):
+        """Raise on every rank what `_prepare_training` raised on one of the `refusals` rank(s)
+        (the highest global rank among them, found by one all-reduce MAX), as a ValueError
+        naming that rank and stage."""
+        who = torch.tensor([dist.get_rank() if refused is not None else -1],
+                           dtype=torch.int64, device=self._device())
+        for group in self._agree_groups():
+            dist.all_reduce(who, group=group, op=dist.ReduceOp.MAX)
+        rank = int(who)
+        if rank == dist.get_rank():
+            text = f"{type(refused).__name__}: {refused}"
+        else:
+            store, key = _default_store(), f"relgrad/pipe/refused{rank}"
+            note = store.get(key).decode() if store is not None and store.check([key]) else ""
+            calls, _, text = note.partition("|")
+            text = text or "(its error is on that rank)"
+        raise ValueError(f"train_batch refused on {refusals} rank(s) of the job, e.g. global "
+                         f"rank {rank}: {text}") from refused
 
     def _store_key(self, name):
         return f"relgrad/pipe/{self._uid}/{name}"

@@ -971,3 +971,11 @@ def test_demo_vpp_phases_and_tied_params(tmp_path):
     layers = [build() for build in lm_layers(vocab, opts, torch.device("cpu"))]
     total = sum(p.numel() for layer in layers for p in layer.parameters())
     assert result["config"]["model"]["params"] == total - vocab * 16  # the head's tied copy
+
+
+def test_failure_stage_refuses_to_start(ranks):
+    """Check a buffer that only stage 1 cannot build (main grads on some of its params) ends
+    train_batch on all 4 ranks with the same error naming that rank."""
+    seen = ranks(4).run(failures.stage_refuses_to_start, timeout=60)
+    _same_error(seen, 4, "train_batch refused on 2 rank(s) of the job, e.g. global rank 3: "
+                         "ValueError: bucket 0: params #[1] have no main_grad")

@@ -277,3 +277,17 @@ def resumed_scheduler_v2_pipeline(rank, world, version):
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
     sched.load_state_dict(saved[2])
     return seen, train(model, opt, sched, range(2, 4)), want
+
+
+def stage_refuses_to_start(rank, world):
+    """pp 2 x sharding 2, v2, pipeline sharding overlap: stage 1 alone registers main-grad
+    hooks on one of its two params, so building its buffer fails there. Returns what
+    train_batch raised."""
+    from comm_buffer import register_main_grad_hooks
+    st = _pp_strategy(2, 2, 2, split_param=True, sharding_comm_overlap=True)
+    hcg = HybridCommunicateGroup(st)
+    model = PipelineParallel([Scale(), Scale(), Scale(), Scale()], hcg, st, _mean_loss)
+    if hcg.get_stage_id() == 1:
+        register_main_grad_hooks([next(model.parameters())])
+    opt = DygraphShardingOptimizerV2(torch.optim.SGD(model.parameters(), lr=0.1), hcg, st)
+    return _caught(model.train_batch, (torch.ones(4, 1), torch.zeros(4, 1)), opt)
