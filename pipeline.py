@@ -25,6 +25,7 @@ References: Paddle PRs #59739, #58441; Narayanan et al., "Efficient Large-Scale 
 Training on GPU Clusters Using Megatron-LM" (2021); Harlap et al., "PipeDream" (2018).
 """
 import os
+import weakref
 from collections import defaultdict
 from datetime import timedelta
 
@@ -34,7 +35,7 @@ from torch import nn
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, assign_group_by_size,
                          bw_hook_func, global_rank, main_grad_or_grad as _grad)
-from sharding import _check_grad_clip, _extras, agreed_all_reduce_mean, norm_groups
+from sharding import _check_grad_clip, _extras, agree, agreed_all_reduce_mean, norm_groups
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
@@ -47,6 +48,13 @@ _MOVED_GRAD_MSG = (
     "an out-of-place op that rebinds the grad (p.grad = p.grad / 2). Change grads in place "
     "(p.grad.div_(2), zero_grad(set_to_none=False)), or turn pp_configs.release_gradients "
     "on")
+_INCOMPLETE_MSG = (
+    "a fused bucket of the pipeline's comm overlap was not complete after accumulate_steps="
+    "{acc} micro-batches: every trainable param of a stage must get a grad in every "
+    "micro-batch on every rank (a param that some micro-batches leave out never checks in "
+    "acc times, and its bucket's collective would not be issued). Use every param in each "
+    "micro-batch, or freeze (requires_grad=False) the ones you leave out before building "
+    "the pipeline. The grads of this step are not usable: the step is not taken")
 _ABANDONED = []  # p2p works that timed out: kept, since gloo may still write their buffers
 
 
@@ -254,8 +262,39 @@ class PipelineParallel(nn.Module):
 
     def bw_hook_func(self, buffer, param):
         """The hook each untied param gets (Paddle's method of this name): check in, and fire
-        the bucket's collective once all its params are in (comm_buffer.bw_hook_func)."""
-        return bw_hook_func(buffer, param)
+        the bucket's collective once all its params are in (comm_buffer.bw_hook_func).
+
+        Beyond Paddle, buckets fire in one order on every rank: the order in which they
+        completed their first round of check-ins this step (every param once). With the same
+        graph in every micro-batch that is the order they complete, so nothing waits; a
+        bucket that completes before an earlier one (a param left out of a micro-batch on
+        this rank) waits for it, so that `_issue_incomplete` can still match the peers'
+        collectives in order. The hook holds the pipeline weakly (see bw_hook_func).
+        """
+        check_in = bw_hook_func(buffer, param, use_comm=False)
+        pipeline_ref, buffer_ref = weakref.ref(self), weakref.ref(buffer)
+
+        def hook(param):
+            pipeline, buffer = pipeline_ref(), buffer_ref()
+            first = buffer is not None and buffer._params_step_dict.get(param) == 0
+            check_in(param)
+            if pipeline is not None:
+                pipeline._fire_in_order(buffer, first)
+
+        return hook
+
+    def _fire_in_order(self, buffer, first):
+        """After a check-in to `buffer` (`first`: the param's first this step): note the
+        first-round order, then fire, in that order, every bucket that is complete."""
+        if first:
+            n = self._first_check_ins[id(buffer)] = self._first_check_ins.get(id(buffer), 0) + 1
+            if n == len(buffer.params):
+                self._round_order.append(buffer)
+        order = self._round_order
+        while self._fired < len(order) and order[self._fired]._all_params_checked_in:
+            if order[self._fired]._task is None:
+                order[self._fired].comm_grads()
+            self._fired += 1
 
     def register_sharding_comm_overlap_hook(self, optimizer):
         """Build the sharding buffers; lazily, since v1's owner map lives in the optimizer."""
@@ -472,6 +511,7 @@ class PipelineParallel(nn.Module):
         """
         self._check_accumulation()
         inputs, labels = self._micro_batches(data)
+        self._round_order, self._first_check_ins, self._fired = [], {}, 0  # _fire_in_order
         acc, self.schedule_trace = self.accumulate_steps, []
         self._meta_sent = self._meta_recv = None
         self._total_loss = torch.zeros((), device=self._device())
@@ -516,10 +556,40 @@ class PipelineParallel(nn.Module):
         self._shared.allreduce_shared_weight_gradients()
         # wait and scale: the collectives were issued by the hooks of the last backward
         if self._comm_overlap:
-            for buffers in self._chunk_2_comm_buffers.values():
-                for buffer in buffers:
-                    buffer.scale_grads()
+            buffers = [b for bs in self._chunk_2_comm_buffers.values() for b in bs]
+            # the first-round order, then the buckets that never completed a round (backward
+            # completes the last buckets first)
+            late = self._round_order + [b for b in reversed(buffers)
+                                        if b not in self._round_order]
+            for buffer in late:
+                if buffer._task is None:
+                    self._issue_incomplete(buffer)
+            self._scale_and_agree(buffers)
         return self._broadcast_final_loss()
+
+    def _issue_incomplete(self, buffer):
+        """Beyond Paddle: issue, with what it holds, the collective of a bucket whose params
+        did not all check in every micro-batch on this rank (a param without a grad in some
+        micro-batch), so that the collectives its peers issued are matched;
+        `_scale_and_agree` then raises on every rank. Matched only if the bucket was the
+        last one the peers fired (one bucket per stage and owner, as with the default
+        128 MB buckets); a different order of buckets cannot be repaired after the fact."""
+        if buffer._release_grads:
+            for p in buffer.params:
+                if buffer._params_step_dict.get(p) == 0:
+                    buffer._copy_grad_to_buffer(p)
+        buffer._comm_grads()
+
+    def _scale_and_agree(self, buffers):
+        """Wait for and scale every bucket, then agree across the job (one small all-reduce
+        per group) that every bucket was complete on every rank; raise ValueError on every
+        rank if not, naming this rank's check-in counts where it saw it."""
+        incomplete = [f"bucket {b._id} ({b._check_in_status()})" for b in buffers
+                      if not b._all_params_checked_in]
+        for buffer in buffers:
+            buffer.scale_grads()
+        agree([], [(_INCOMPLETE_MSG.format(acc=self.accumulate_steps),
+                    "; ".join(incomplete) or None)], self._agree_groups(), self._device())
 
     def eval_batch(self, data, compute_loss=True):
         """Forward only over the micro-batches; returns the mean loss (or, if `compute_loss`

@@ -979,3 +979,14 @@ def test_failure_stage_refuses_to_start(ranks):
     seen = ranks(4).run(failures.stage_refuses_to_start, timeout=60)
     _same_error(seen, 4, "train_batch refused on 2 rank(s) of the job, e.g. global rank 3: "
                          "ValueError: bucket 0: params #[1] have no main_grad")
+
+
+@pytest.mark.parametrize("version, release", [(2, True), (2, False), (1, True)])
+def test_failure_param_left_out_under_pipeline(ranks, version, release):
+    """Check a param that one rank's micro-batch leaves out (pp 2 x sharding 2, pipeline
+    overlap) ends train_batch with the same error on all 4 ranks, naming the counts there."""
+    results = ranks(4).run(failures.pipeline_param_left_out, version, release, timeout=60)
+    seen = [r[0] for r in results]
+    _same_error(seen, 4, "was not complete after accumulate_steps=2 micro-batches")
+    assert "on this rank: bucket 0 (" in seen[3][1] and "(1 of 2)" in seen[3][1], seen[3]
+    assert [r[1] for r in results] == [0.0] * 4

@@ -291,3 +291,34 @@ def stage_refuses_to_start(rank, world):
         register_main_grad_hooks([next(model.parameters())])
     opt = DygraphShardingOptimizerV2(torch.optim.SGD(model.parameters(), lr=0.1), hcg, st)
     return _caught(model.train_batch, (torch.ones(4, 1), torch.zeros(4, 1)), opt)
+
+
+class _SometimesUnused(nn.Module):
+    """`w * x + b`, but on global rank `rank` the second forward leaves b out (no grad)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.ones(())), nn.Parameter(torch.zeros(()))
+        self.rank, self.calls = rank, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if dist.get_rank() == self.rank and self.calls == 2:
+            return self.w * x
+        return self.w * x + self.b
+
+
+def pipeline_param_left_out(rank, world, version, release):
+    """pp 2 x sharding 2, pipeline sharding overlap, acc 2: on global rank 3 (stage 1) one
+    param gets no grad in micro-batch 1, so its bucket is incomplete there. Returns what
+    train_batch raised, then whether the group still works (a broadcast)."""
+    st = _pp_strategy(2, 2, 2, release=release, split_param=version == 2,
+                      sharding_comm_overlap=True)
+    hcg = HybridCommunicateGroup(st)
+    model = PipelineParallel([Scale(), _SometimesUnused(3)], hcg, st, _mean_loss)
+    cls = DygraphShardingOptimizer if version == 1 else DygraphShardingOptimizerV2
+    opt = cls(torch.optim.SGD(model.parameters(), lr=0.1), hcg, st)
+    seen = _caught(model.train_batch, (torch.ones(4, 1), torch.zeros(4, 1)), opt)
+    probe = torch.tensor([float(rank)])
+    dist.broadcast(probe, src=0)
+    return seen, float(probe)

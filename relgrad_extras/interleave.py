@@ -132,16 +132,17 @@ class PipelineParallelWithInterleave(PipelineParallel):
     def _comm_chunk(self, chunk):
         for buffer in self._chunk_2_comm_buffers.get(chunk, []):
             if buffer not in self._shared.held_buffers:  # a tied copy's: after the tie sum
-                buffer.comm_grads()
+                if buffer._all_params_checked_in:
+                    buffer.comm_grads()
+                else:  # issued anyway at its place in the schedule; agreed on at the sync
+                    self._issue_incomplete(buffer)
 
     def _sync_overlap_grads(self):
         """Wait for and scale every chunk's buffers (Paddle's `_sync_overlap_grads`)."""
         if not self._comm_overlap:
             return
         assert self._backward_step_count == self.num_stages * self.num_model_chunks
-        for buffers in self._chunk_2_comm_buffers.values():
-            for buffer in buffers:
-                buffer.scale_grads()
+        self._scale_and_agree([b for bs in self._chunk_2_comm_buffers.values() for b in bs])
 
     # ---- the schedule ----
 
