@@ -13,6 +13,11 @@ last micro-batch's backward (dp all-reduce, or sharding reduce / reduce-scatter)
 schedule every buffer is waited and scaled. `_optimizer_step` then steps and, with
 `release_gradients`, drops the grads and frees every buffer until the next step's first backward.
 Phases of a step: warm-up -> steady 1F1B -> cool-down -> wait and scale -> step -> release.
+Beyond Paddle, so that every rank ends with the same clear error in bounded time: a step opens
+with one small all-reduce of flags over the job (`_agree_at_entry`: misuse one stage sees,
+a stage that refused to start, accumulate_steps that differ), p2p waits honour the pipe
+group's timeout and name the stage that did not answer (`_wait_p2p`), and a bucket left
+incomplete on one rank is issued anyway and agreed on after the schedule (`_scale_and_agree`).
 
 Weights tied across stages (`shared_weights`, Paddle's SharedLayerDesc) live in
 `shared_weights/`; global-norm clipping (`grad_clip`) in `grad_clip/`. The interleaved
@@ -35,7 +40,7 @@ from torch import nn
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, assign_group_by_size,
                          bw_hook_func, global_rank, main_grad_or_grad as _grad)
-from sharding import _check_grad_clip, _extras, agree, agreed_all_reduce_mean, norm_groups
+from sharding import _check_grad_clip, _extras, agreed_all_reduce_mean, norm_groups
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
@@ -179,6 +184,7 @@ class PipelineParallel(nn.Module):
         uid = torch.tensor([int.from_bytes(os.urandom(5), "little")], device=self._device())
         dist.all_reduce(uid, group=hcg.get_pipe_parallel_group())
         self._uid, self._calls = int(uid), 0
+        self._p2p_timeout = _group_timeout(hcg.get_pipe_parallel_group())
         self._shared = self._shared_weights(shared_weights, bounds)
         self._grad_clip = None
         self._grads_pending = False  # a schedule ran and no _optimizer_step since
@@ -318,7 +324,12 @@ class PipelineParallel(nn.Module):
         Every rank of the pipe passes the same batch; stage 0 reads the inputs, the last
         stage the labels. Returns the loss averaged over micro-batches (0-d fp32 tensor), the
         same on every rank of this pipe. Raises ValueError if the batch does not split into
-        `accumulate_steps` micro-batches (of `micro_batch_size`, if set).
+        `accumulate_steps` micro-batches (of `micro_batch_size`, if set). Beyond Paddle,
+        raises ValueError on every rank of the job, before any p2p, for a grad that left its
+        fused buffer (release off), an error `_prepare_training` raised on some rank, or
+        accumulate_steps that differ across ranks; after the schedule, for a bucket that was
+        incomplete on some rank; PipelineStageTimeout (a TimeoutError) when another stage
+        does not answer within the pipe group's timeout, naming it and the error it left.
 
         `grad_clip`: None or a Paddle-style clip (`relgrad_extras.grad_clip.ClipGradByGlobalNorm`),
         for a plain torch optimizer.
@@ -581,15 +592,18 @@ class PipelineParallel(nn.Module):
         buffer._comm_grads()
 
     def _scale_and_agree(self, buffers):
-        """Wait for and scale every bucket, then agree across the job (one small all-reduce
-        per group) that every bucket was complete on every rank; raise ValueError on every
-        rank if not, naming this rank's check-in counts where it saw it."""
+        """Wait for and scale every bucket, then start the agreement that every bucket was
+        complete on every rank: a flag summed over the sharding / dp groups here, and over
+        the pipe by the loss's all-reduce (`_broadcast_final_loss`), which raises ValueError
+        on every rank if not, naming this rank's check-in counts where it saw them."""
         incomplete = [f"bucket {b._id} ({b._check_in_status()})" for b in buffers
                       if not b._all_params_checked_in]
         for buffer in buffers:
             buffer.scale_grads()
-        agree([], [(_INCOMPLETE_MSG.format(acc=self.accumulate_steps),
-                    "; ".join(incomplete) or None)], self._agree_groups(), self._device())
+        flag = torch.tensor([int(bool(incomplete))], dtype=torch.int32, device=self._device())
+        for group in self._agree_groups()[1:]:  # the pipe comes with the loss
+            dist.all_reduce(flag, group=group)
+        self._incomplete = (int(flag), "; ".join(incomplete) or None)
 
     def eval_batch(self, data, compute_loss=True):
         """Forward only over the micro-batches; returns the mean loss (or, if `compute_loss`
@@ -649,9 +663,24 @@ class PipelineParallel(nn.Module):
         loss = self._total_loss
         if self._delay_scale_loss and not scaled:
             loss = loss / self.accumulate_steps
-        last = self._hcg.get_rank_from_stage(self.num_stages - 1)
-        dist.broadcast(loss, src=last, group=self._hcg.get_pipe_parallel_group())
-        return loss
+        group = self._hcg.get_pipe_parallel_group()
+        pending, self._incomplete = getattr(self, "_incomplete", None), None
+        if pending is None:
+            last = self._hcg.get_rank_from_stage(self.num_stages - 1)
+            dist.broadcast(loss, src=last, group=group)
+            return loss
+        # Beyond Paddle: with comm overlap one all-reduce carries the loss (only the last
+        # stage's is not zero, so the sum is its loss, bitwise) and the incomplete-bucket
+        # flags of `_scale_and_agree`, instead of a broadcast and an all-reduce.
+        count, detail = pending
+        both = torch.stack([loss.float(), torch.tensor(float(count), device=loss.device)])
+        dist.all_reduce(both, group=group)
+        if both[1] > 0:
+            self._discard_grads()
+            here = f"; on this rank: {detail}" if detail is not None else ""
+            raise ValueError(f"{_INCOMPLETE_MSG.format(acc=self.accumulate_steps)} (seen on "
+                             f"{int(both[1])} rank(s) of the job{here})")
+        return both[0].clone()
 
     def _needs_dp_sync(self):
         # HybridParallelOptimizer's dp all-reduce when nothing else does it: no overlap and no
@@ -687,6 +716,18 @@ class PipelineParallel(nn.Module):
             _clear_grad(self.optimizer, set_to_zero=True)
         if self.lr_scheduler:
             self.lr_scheduler.step()
+
+    @torch.no_grad()
+    def _discard_grads(self):
+        """Drop (release) or zero this step's grads and buffers without stepping, so that the
+        next train_batch starts clean after an error raised on every rank."""
+        self._grads_pending = False
+        if self.optimizer is not None:  # as _optimizer_step clears them
+            _clear_grad(self.optimizer, set_to_zero=not self._release_gradients)
+        if self._release_gradients:
+            for buffers in self._chunk_2_comm_buffers.values():
+                for buffer in buffers:
+                    buffer._clear_grad_storage()
 
     def _check_accumulation(self):
         # Made from the call history, the same on every rank: all raise, none communicates.
@@ -770,7 +811,7 @@ class PipelineParallel(nn.Module):
             for work in works:
                 work.wait()
             return
-        timeout = _group_timeout(group)
+        timeout = self._p2p_timeout
         peers = peers if len(peers) == len(works) else [None] * len(works)
         for work, peer in zip(works, peers):
             try:

@@ -311,7 +311,8 @@ class _SometimesUnused(nn.Module):
 def pipeline_param_left_out(rank, world, version, release):
     """pp 2 x sharding 2, pipeline sharding overlap, acc 2: on global rank 3 (stage 1) one
     param gets no grad in micro-batch 1, so its bucket is incomplete there. Returns what
-    train_batch raised, then whether the group still works (a broadcast)."""
+    train_batch raised, then (after a second train_batch that uses every param) a broadcast
+    from rank 0, to show the groups still work."""
     st = _pp_strategy(2, 2, 2, release=release, split_param=version == 2,
                       sharding_comm_overlap=True)
     hcg = HybridCommunicateGroup(st)
@@ -319,6 +320,9 @@ def pipeline_param_left_out(rank, world, version, release):
     cls = DygraphShardingOptimizer if version == 1 else DygraphShardingOptimizerV2
     opt = cls(torch.optim.SGD(model.parameters(), lr=0.1), hcg, st)
     seen = _caught(model.train_batch, (torch.ones(4, 1), torch.zeros(4, 1)), opt)
+    for layer in model._layers:
+        layer.rank = -1  # every param used from now on: the next step runs
+    model.train_batch((torch.ones(4, 1), torch.zeros(4, 1)), opt)
     probe = torch.tensor([float(rank)])
     dist.broadcast(probe, src=0)
     return seen, float(probe)
