@@ -188,6 +188,7 @@ class PipelineParallel(nn.Module):
         self._shared = self._shared_weights(shared_weights, bounds)
         self._grad_clip = None
         self._grads_pending = False  # a schedule ran and no _optimizer_step since
+        self._incomplete = None  # (flags, detail) of _scale_and_agree, for the loss's reduce
         if self._dp_comm_overlap:
             self.fused_gradient(self._layers, hcg.get_data_parallel_group(),
                                 self.accumulate_steps, dp=True)
@@ -523,6 +524,7 @@ class PipelineParallel(nn.Module):
         self._check_accumulation()
         inputs, labels = self._micro_batches(data)
         self._round_order, self._first_check_ins, self._fired = [], {}, 0  # _fire_in_order
+        self._incomplete = None  # set by _scale_and_agree, read by _broadcast_final_loss
         acc, self.schedule_trace = self.accumulate_steps, []
         self._meta_sent = self._meta_recv = None
         self._total_loss = torch.zeros((), device=self._device())
@@ -664,7 +666,7 @@ class PipelineParallel(nn.Module):
         if self._delay_scale_loss and not scaled:
             loss = loss / self.accumulate_steps
         group = self._hcg.get_pipe_parallel_group()
-        pending, self._incomplete = getattr(self, "_incomplete", None), None
+        pending, self._incomplete = self._incomplete, None
         if pending is None:
             last = self._hcg.get_rank_from_stage(self.num_stages - 1)
             dist.broadcast(loss, src=last, group=group)
