@@ -774,7 +774,8 @@ class _ShardingCheckpoint:
 # `register_reduce_overlap_hook(use_comm=True)` and `scale_grads()` in `reduce_gradients`
 # (`dygraph_sharding_optimizer.py`; v1's counterpart is its tensor fusion). Beyond Paddle, the
 # ranks agree before waiting that every bucket's collective was issued everywhere, and a backward
-# pass too many raises, on every rank, instead of hanging or failing an assert on one rank.
+# pass too many or too few raises at step(), on every rank, instead of hanging or failing an
+# assert on one rank.
 
 class _OwnOverlap:
     """Mixed into the sharding optimizers; expects `pp_overlap`, `pp_release_grads`,
@@ -833,24 +834,18 @@ class _OwnOverlap:
                    for b in buffers for p in b.params]
         weakref.finalize(self, _remove_hooks, handles)
 
-    def _too_many_micro_batches(self, buffers):
-        # Beyond Paddle (whose add_grad asserts): finish what is in flight on every rank (the
-        # same collectives were issued everywhere), reset the check-ins, then raise.
-        for buffer in buffers:
-            if buffer._task is not None:
-                buffer._task.wait()
-            buffer._reset_params_checked_in()
-        self._reset_check_in_order()
-        raise ValueError(f"sharding_configs.accumulate_steps={buffers[0]._acc_steps}, but a "
-                         "backward pass ran after every param had checked in that many times "
-                         "and the collectives had been issued: call step() after exactly "
-                         "accumulate_steps backward passes, or set accumulate_steps to the "
-                         "number of backward passes per step")
+    def _note_extra_pass(self, param):
+        """A check-in after the bucket's collective was issued: a backward pass beyond
+        accumulate_steps on this rank. Beyond Paddle (whose add_grad asserts, on this rank
+        alone, while the others wait in step()): the pass is counted, not checked in, and
+        `_wait_own_buffers` raises at step() on every rank, naming the counts."""
+        self._extra_passes[id(param)] = self._extra_passes.get(id(param), 0) + 1
 
     def _reset_check_in_order(self):
         """Forget this step's bucket order (`_issue_late_buckets`); at construction, after
         step() and at clear_grad."""
         self._round_order, self._first_check_ins, self._issue_order = [], {}, []
+        self._extra_passes = {}  # param id -> backward passes after its bucket was issued
 
     def _note_check_in(self, buffer, param):
         """Before `param` checks in: note when `buffer` completes its first round of check-ins
@@ -901,17 +896,20 @@ class _OwnOverlap:
         if not buffers:
             return
         acc = buffers[0]._acc_steps
-        most, fewest = 0, acc
+        most, fewest = acc + max(self._extra_passes.values(), default=0), acc
+        if most == acc:
+            most = 0
+            for b in buffers:
+                left = list(b._params_step_dict.values())
+                most = max(most, acc if b._params_checked_in else max(left, default=0))
         for b in buffers:
-            left = list(b._params_step_dict.values())
-            most = max(most, acc if b._params_checked_in else max(left, default=0))
-            fewest = min(fewest, min(left, default=acc))
+            fewest = min(fewest, min(b._params_step_dict.values(), default=acc))
         device = buffers[0].params[0].device
         mine = torch.tensor([most, fewest], dtype=torch.int64, device=device)
         counts = [torch.empty_like(mine) for _ in range(self._nranks)]
         dist.all_gather(counts, mine, group=self._group)
         counts = [c.tolist() for c in counts]
-        if all(low == acc for _, low in counts):
+        if all(high == low == acc for high, low in counts):
             self._last_issue_order = list(self._issue_order)
             self._reset_check_in_order()
             for buffer in buffers:
@@ -940,8 +938,9 @@ class _OwnOverlap:
 
 
 def _own_overlap_hook(optimizer, buffer, param):
-    """`bw_hook_func(buffer, param)` that first raises (via the optimizer, on every rank)
-    when a bucket whose collective is already in flight checks in again."""
+    """`bw_hook_func(buffer, param)` that notes the first-round order of the buckets and, when
+    a bucket whose collective is already in flight checks in again, counts a backward pass
+    too many instead (raised at step(), on every rank, by `_wait_own_buffers`)."""
     check_in = bw_hook_func(buffer, param)
     optimizer_ref, buffer_ref = weakref.ref(optimizer), weakref.ref(buffer)
 
@@ -950,8 +949,9 @@ def _own_overlap_hook(optimizer, buffer, param):
         if optimizer is None or buffer is None:
             check_in(param)
             return
-        if buffer._task is not None:
-            optimizer._too_many_micro_batches(optimizer._own_buffers())
+        if buffer._task is not None:  # in flight: a backward pass too many on this rank
+            optimizer._note_extra_pass(param)
+            return
         optimizer._note_check_in(buffer, param)
         check_in(param)
         if buffer._task is not None:  # this check-in fired the bucket's collective

@@ -801,10 +801,10 @@ def test_failure_stage_never_arrives(ranks):
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("release", [False, True])
 def test_failure_fewer_backward_passes_own_overlap(ranks, version, release):
-    """Check a rank with 1 of 2 backward passes (and one with 0) under sharding's own
-    overlap raises the same error naming the counts on both ranks, and the next step is
+    """Check a rank with 1 of 2 backward passes (and one with 0, one with 3) under sharding's
+    own overlap raises the same error naming the counts on both ranks, and the next step is
     right."""
-    for passes in ([2, 1], [0, 2]):
+    for passes in ([2, 1], [0, 2], [2, 3]):
         seen = ranks(2).run(failures.fewer_backward_passes, version, release, passes,
                             timeout=60)
         _same_error([s[0] for s in seen], 2, "Backward passes per rank: ")
