@@ -17,6 +17,8 @@ a v1 non-owner keeps nothing.
 Phases of a step: check in -> communicate -> wait, scale (and free) -> step -> release.
 Sections: layout (slots, shards, views); hooks and helpers; the fused buffer.
 
+Differs from the seed: a bf16 / fp16 buffer is divided by the ranks before its sum, not after
+(`sums_in_16_bits`), so that a mean that fits cannot overflow in the sum; fp32 is unchanged.
 Leaves out: `use_reduce_avg`, timers and XPU paths (added later).
 
 References: Paddle PRs #59739, #58441, #58462, #58621; Rajbhandari et al., "ZeRO" (2020).
