@@ -719,7 +719,12 @@ class _ShardingCheckpoint:
         shapes and owners (v1) / slices (v2), so that `load_state_dict` can refuse another
         layout. `state_dict()` returns it through torch's hooks. For a checkpoint that loads
         into any sharding degree (or a plain torch optimizer), use `consolidate_state_dict`.
+        Beyond that: v2 holding a consolidated state loaded before the pipeline built its
+        buffers (no slices yet) returns that consolidated state, which loads anywhere,
+        instead of an empty shard.
         """
+        if getattr(self, "_pending_state", None) is not None:
+            return _extras("checkpoint", "state_dict() of a pending state").pending_full(self)
         return {**super()._local_state_dict(), LAYOUT_KEY: layout(self)}
 
     def consolidate_state_dict(self, to=0):

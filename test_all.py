@@ -860,7 +860,8 @@ def test_fp32_sums_still_scale_after(ranks):
 def test_resumed_scheduler_under_pipeline(ranks, version):
     """Check a StepLR resumed on pp 2 x sharding 2 (pipeline overlap, release on) reads lr
     0.025 and initial_lr 0.1 right after load_state_dict, an lr set before the first
-    train_batch stays, and 2 more batches equal the uninterrupted run bitwise."""
+    train_batch stays, a state_dict() saved again before then keeps the state, and 2 more
+    batches equal the uninterrupted run bitwise."""
     results = ranks(4).run(failures.resumed_scheduler_v2_pipeline, version, timeout=90)
     plain = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)
     plain.param_groups[0].update(lr=0.025, initial_lr=0.1)  # what torch's load leaves

@@ -271,9 +271,13 @@ def resumed_scheduler_v2_pipeline(rank, world, version):
     seen.append(opt.param_groups[0]["lr"])  # torch's rule: one more step of the schedule
     train(model, opt, None, range(2, 3))  # v2 cuts the loaded state here: lr stays as set
     seen.append(opt.param_groups[0]["lr"])
-    model, opt = build()  # torch's recipe: a new scheduler, then its state_dict
+    model, opt = build()
     model.load_state_dict(saved[0])
     opt.load_state_dict(saved[1])
+    again = opt.state_dict()  # saved again before the first train_batch: nothing is lost
+    model, opt = build()  # torch's recipe: a new scheduler, then its state_dict
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(again)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
     sched.load_state_dict(saved[2])
     return seen, train(model, opt, sched, range(2, 4)), want

@@ -58,15 +58,8 @@ def consolidate(opt, to):
         raise ValueError(f"consolidate_state_dict(to={to!r}): `to` is the sharding rank that "
                          f"receives the state, an int in [0, {opt._nranks}); pass e.g. to=0")
     groups = _full_groups(opt)
-    pending = getattr(opt, "_pending_state", None)
-    if pending is not None:  # loaded before the pipeline built v2's buffers; not stepped since
-        if opt._rank != to:
-            return None
-        result = copy.deepcopy(pending)  # with the hyper-parameters as they are now
-        for saved, group in zip(result["param_groups"], _torch_opt(opt).param_groups):
-            saved.update({k: copy.deepcopy(v) for k, v in group.items()
-                          if k not in ("params", "param_names")})
-        return result
+    if getattr(opt, "_pending_state", None) is not None:  # loaded before v2's buffers
+        return pending_full(opt) if opt._rank == to else None
     # collect this rank's pieces
     inner, masters = _torch_opt(opt), _masters(opt)
     state, master_pieces = {}, {}
@@ -111,6 +104,18 @@ def consolidate(opt, to):
     if full_masters:
         result["master_weights"] = {i: full_masters[i].view(params[i].shape)
                                     for i in sorted(full_masters)}
+    return result
+
+
+def pending_full(opt):
+    """The consolidated state loaded before the pipeline built v2's buffers (not stepped
+    since), with the hyper-parameters as they are now: what `consolidate` returns then,
+    and what `state_dict()` returns on every rank then (a per-rank state has no slices yet
+    to hold it; this one loads into any layout)."""
+    result = copy.deepcopy(opt._pending_state)
+    for saved, group in zip(result["param_groups"], _torch_opt(opt).param_groups):
+        saved.update({k: copy.deepcopy(v) for k, v in group.items()
+                      if k not in ("params", "param_names")})
     return result
 
 
