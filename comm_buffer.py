@@ -20,6 +20,8 @@ stage no full-size copy (`_stages_full_copies`); NCCL keeps Paddle's collectives
 Phases of a step: check in -> communicate -> wait, scale (and free) -> step -> release.
 Sections: layout (slots, shards, views); hooks and helpers; the fused buffer.
 
+Differs from the seed: a bf16 / fp16 buffer is divided by the ranks before its sum, not after
+(`sums_in_16_bits`), so that a mean that fits cannot overflow in the sum; fp32 is unchanged.
 Leaves out: `use_reduce_avg`, timers and XPU paths (added later).
 
 References: Paddle PRs #59739, #58441, #58462, #58621; Rajbhandari et al., "ZeRO" (2020).
@@ -209,15 +211,36 @@ def main_grad_or_grad(param):
     return main_grad if main_grad is not None else param.grad
 
 
+def sums_in_16_bits(dtype):
+    """True for bf16 / fp16: a SUM collective over such grads divides by the ranks first.
+
+    The one rule of this repo for every grad collective that averages (differs from the
+    seed, which scales after the sum in every dtype): a 16-bit sum can overflow where the
+    mean fits (fp16: 40000 + 30000 = inf, while the mean 35000 is finite), so 16-bit grads
+    are divided by the number of ranks before the collective, as torch's DDP does for every
+    dtype (Paddle later added `use_reduce_avg`, an averaging reduce, for the same reason).
+    fp32 / fp64 grads keep the seed's scale after the sum, bitwise as before. The price in
+    16 bits is DDP's: each rank's share is rounded once before the sum (exact for a power
+    of two ranks, unless a value underflows).
+    """
+    return dtype.is_floating_point and dtype.itemsize < 4
+
+
 @torch.no_grad()
 def all_reduce_mean(grads, group):
     """All-reduce `grads` (any shapes) over `group` and divide by its size, in place: the dp
-    sync of Paddle's HybridParallelOptimizer (`fused_allreduce_gradients`, unfused here)."""
+    sync of Paddle's HybridParallelOptimizer (`fused_allreduce_gradients`, unfused here).
+    bf16 / fp16 grads are divided before the sum (`sums_in_16_bits`), others after."""
+    scale = 1.0 / dist.get_world_size(group)
+    for g in grads:
+        if sums_in_16_bits(g.dtype):
+            g.mul_(scale)
     works = [dist.all_reduce(g, group=group, async_op=True) for g in grads]
     for work in works:
         work.wait()
     for g in grads:
-        g.mul_(1.0 / dist.get_world_size(group))
+        if not sums_in_16_bits(g.dtype):
+            g.mul_(scale)
 
 
 def assign_group_by_size(params, group_size=128 * 1024 * 1024):
@@ -311,7 +334,8 @@ class FusedCommBuffer:
         dst: for REDUCE, the *global* rank that receives the sum; -1 for the other actions.
         use_main_grad: use `param.main_grad` (fp32 buffer); None = whether params[0] has it.
         fuse_param: also move the params into one flat param buffer (not with release).
-        scale_after_comm: scale by 1/nranks after the collective (else before).
+        scale_after_comm: scale by 1/nranks after the collective (else before); a bf16 / fp16
+            buffer is always scaled before (`sums_in_16_bits`; differs from the seed).
         release_grads: allocate the grad buffer lazily each step; see `_clear_grad_storage`.
         free_grads_in_comm: [later] free, once the collective has completed (`scale_grads`,
             or during backward with `share_comm_queue`), what this rank will not read:
@@ -418,6 +442,20 @@ class FusedCommBuffer:
         for p in self._params:
             grad = _grad_of(p, self.use_main_grad)
             self._grads_to_addr[p] = None if grad is None else grad.data_ptr()
+
+    def _moved_grads(self):
+        """Names of the params whose grad (main_grad) is no longer the view of its slot, the
+        check `add_grad` makes at each check-in, for a caller that checks (and agrees
+        across ranks) before a step starts. Empty with release on, where grads move into
+        the buffer at their first check-in."""
+        if self._release_grads:
+            return []
+        moved = []
+        for p in self._params:
+            grad = _grad_of(p, self.use_main_grad)
+            if (None if grad is None else grad.data_ptr()) != self._grads_to_addr[p]:
+                moved.append(self._name(p))
+        return moved
 
     def _init_step_dict(self):
         self._params_step_dict = {p: 0 for p in self._params}
@@ -584,10 +622,17 @@ class FusedCommBuffer:
                                f"{self._check_in_status()}")
         self._comm_grads()
 
+    @property
+    def _scales_after_comm(self):
+        # Differs from the seed: a bf16 / fp16 buffer is scaled before its sum, whatever
+        # scale_after_comm says, so that the sum cannot overflow (`sums_in_16_bits`).
+        return self._scale_after_comm and not sums_in_16_bits(self._dtype)
+
     @torch.no_grad()
     def _comm_grads(self):
-        """Issue one async SUM collective over the whole `grad_storage` on `comm_group`."""
-        if not self._scale_after_comm:
+        """Issue one async SUM collective over the whole `grad_storage` on `comm_group`
+        (scaled by 1/nranks first if not after comm, or if the buffer is bf16 / fp16)."""
+        if not self._scales_after_comm:
             self.grad_storage.mul_(1.0 / self._nranks)
         group, storage = self._comm_group, self.grad_storage
         if self._act == HOOK_ACTION.ALL_REDUCE:
@@ -639,7 +684,7 @@ class FusedCommBuffer:
         # full-size temporary), which must not outlive the collective.
         self._task = _COMPLETED
         reads = self._act != HOOK_ACTION.REDUCE or dist.get_rank() == self._dst
-        scale = self._scale_after_comm and reads
+        scale = self._scales_after_comm and reads
         if self._free_grads_in_comm and self._act == HOOK_ACTION.REDUCE_SCATTER:
             # Differs from Paddle, which reduce-scatters into a fresh shard-sized tensor and
             # swaps the buffers at issue: here the collective runs in place and the shard is

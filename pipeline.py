@@ -13,6 +13,11 @@ last micro-batch's backward (dp all-reduce, or sharding reduce / reduce-scatter)
 schedule every buffer is waited and scaled. `_optimizer_step` then steps and, with
 `release_gradients`, drops the grads and frees every buffer until the next step's first backward.
 Phases of a step: warm-up -> steady 1F1B -> cool-down -> wait and scale -> step -> release.
+Beyond Paddle, so that every rank ends with the same clear error in bounded time: a step opens
+with one small all-reduce of flags over the job (`_agree_at_entry`: misuse one stage sees,
+a stage that refused to start, accumulate_steps that differ), p2p waits honour the pipe
+group's timeout and name the stage that did not answer (`_wait_p2p`), and a bucket left
+incomplete on one rank is issued anyway and agreed on after the schedule (`_scale_and_agree`).
 
 Weights tied across stages (`shared_weights`, Paddle's SharedLayerDesc) live in
 `shared_weights/`; global-norm clipping (`grad_clip`) in `grad_clip/`. The interleaved
@@ -24,7 +29,10 @@ Leaves out: AMP scaler, timers, freeing sent activations early (Paddle's `_relea
 References: Paddle PRs #59739, #58441; Narayanan et al., "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM" (2021); Harlap et al., "PipeDream" (2018).
 """
+import os
+import weakref
 from collections import defaultdict
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -37,6 +45,45 @@ from sharding import _check_grad_clip, _extras, agreed_all_reduce_mean, norm_gro
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
+
+
+_MOVED_GRAD_MSG = (
+    "The address of the grad/main_grad of a param in a fused buffer changed between steps; "
+    "while the buffer holds it (release_gradients off), the grad must stay the view of its "
+    "slot. Likely causes: zero_grad(set_to_none=True) / clear_grad(set_to_zero=False), or "
+    "an out-of-place op that rebinds the grad (p.grad = p.grad / 2). Change grads in place "
+    "(p.grad.div_(2), zero_grad(set_to_none=False)), or turn pp_configs.release_gradients "
+    "on")
+_INCOMPLETE_MSG = (
+    "a fused bucket of the pipeline's comm overlap was not complete after accumulate_steps="
+    "{acc} micro-batches: every trainable param of a stage must get a grad in every "
+    "micro-batch on every rank (a param that some micro-batches leave out never checks in "
+    "acc times, and its bucket's collective would not be issued). Use every param in each "
+    "micro-batch, or freeze (requires_grad=False) the ones you leave out before building "
+    "the pipeline. The grads of this step are not usable: the step is not taken")
+_ABANDONED = []  # p2p works that timed out: kept, since gloo may still write their buffers
+
+
+class PipelineStageTimeout(TimeoutError):
+    """A stage waited past the pipe group's timeout for another stage (which is named)."""
+
+
+def _group_timeout(group):
+    """The timeout `group` was created with (gloo / nccl options), else torch's default."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+        return backend.options._timeout
+    except Exception:  # noqa: BLE001 (private API; fall back to the documented default)
+        return dist.default_pg_timeout if hasattr(dist, "default_pg_timeout") \
+            else timedelta(minutes=30)
+
+
+def _default_store():
+    """The default group's store (a side channel beside the collectives), or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 (private API)
+        return None
 
 
 def _cut_layers(layers, seg_boundaries, parts):
@@ -134,11 +181,16 @@ class PipelineParallel(nn.Module):
         self.schedule_trace = []
         # With nccl, the first call on the group that batch_isend_irecv uses must involve all
         # its ranks (torch's rule for P2POp); a tiny all-reduce does that on every backend.
-        dist.all_reduce(torch.zeros(1, device=self._device()),
-                        group=hcg.get_pipe_parallel_group())
+        # It also sums one random number per rank into an id this pipe's stages share: the
+        # key under which a failing stage leaves its error for the others (`_wait_p2p`).
+        uid = torch.tensor([int.from_bytes(os.urandom(5), "little")], device=self._device())
+        dist.all_reduce(uid, group=hcg.get_pipe_parallel_group())
+        self._uid, self._calls = int(uid), 0
+        self._p2p_timeout = _group_timeout(hcg.get_pipe_parallel_group())
         self._shared = self._shared_weights(shared_weights, bounds)
         self._grad_clip = None
         self._grads_pending = False  # a schedule ran and no _optimizer_step since
+        self._incomplete = None  # (flags, detail) of _scale_and_agree, for the loss's reduce
         if self._dp_comm_overlap:
             self.fused_gradient(self._layers, hcg.get_data_parallel_group(),
                                 self.accumulate_steps, dp=True)
@@ -221,8 +273,39 @@ class PipelineParallel(nn.Module):
 
     def bw_hook_func(self, buffer, param):
         """The hook each untied param gets (Paddle's method of this name): check in, and fire
-        the bucket's collective once all its params are in (comm_buffer.bw_hook_func)."""
-        return bw_hook_func(buffer, param)
+        the bucket's collective once all its params are in (comm_buffer.bw_hook_func).
+
+        Beyond Paddle, buckets fire in one order on every rank: the order in which they
+        completed their first round of check-ins this step (every param once). With the same
+        graph in every micro-batch that is the order they complete, so nothing waits; a
+        bucket that completes before an earlier one (a param left out of a micro-batch on
+        this rank) waits for it, so that `_issue_incomplete` can still match the peers'
+        collectives in order. The hook holds the pipeline weakly (see bw_hook_func).
+        """
+        check_in = bw_hook_func(buffer, param, use_comm=False)
+        pipeline_ref, buffer_ref = weakref.ref(self), weakref.ref(buffer)
+
+        def hook(param):
+            pipeline, buffer = pipeline_ref(), buffer_ref()
+            first = buffer is not None and buffer._params_step_dict.get(param) == 0
+            check_in(param)
+            if pipeline is not None:
+                pipeline._fire_in_order(buffer, first)
+
+        return hook
+
+    def _fire_in_order(self, buffer, first):
+        """After a check-in to `buffer` (`first`: the param's first this step): note the
+        first-round order, then fire, in that order, every bucket that is complete."""
+        if first:
+            n = self._first_check_ins[id(buffer)] = self._first_check_ins.get(id(buffer), 0) + 1
+            if n == len(buffer.params):
+                self._round_order.append(buffer)
+        order = self._round_order
+        while self._fired < len(order) and order[self._fired]._all_params_checked_in:
+            if order[self._fired]._task is None:
+                order[self._fired].comm_grads()
+            self._fired += 1
 
     def register_sharding_comm_overlap_hook(self, optimizer):
         """Build the sharding buffers; lazily, since v1's owner map lives in the optimizer."""
@@ -251,7 +334,12 @@ class PipelineParallel(nn.Module):
         Every rank of the pipe passes the same batch; stage 0 reads the inputs, the last
         stage the labels. Returns the loss averaged over micro-batches (0-d fp32 tensor), the
         same on every rank of this pipe. Raises ValueError if the batch does not split into
-        `accumulate_steps` micro-batches (of `micro_batch_size`, if set).
+        `accumulate_steps` micro-batches (of `micro_batch_size`, if set). Beyond Paddle,
+        raises ValueError on every rank of the job, before any p2p, for a grad that left its
+        fused buffer (release off), an error `_prepare_training` raised on some rank, or
+        accumulate_steps that differ across ranks; after the schedule, for a bucket that was
+        incomplete on some rank; PipelineStageTimeout (a TimeoutError) when another stage
+        does not answer within the pipe group's timeout, naming it and the error it left.
 
         `grad_clip`: None or a Paddle-style clip (`relgrad_extras.grad_clip.ClipGradByGlobalNorm`),
         for a plain torch optimizer.
@@ -263,11 +351,150 @@ class PipelineParallel(nn.Module):
         ValueError; another type raises TypeError.
         """
         self._check_accumulation()  # before _prepare_training builds sharding buffers
-        self._prepare_training(optimizer, lr_scheduler, grad_clip)
+        self._calls += 1
+        try:  # a stage that refuses to start (its config, its buffers) tells the others
+            self._prepare_training(optimizer, lr_scheduler, grad_clip)
+            refused = None
+        except (ValueError, TypeError) as error:
+            refused = error
+        self._agree_at_entry(refused)
         self.train()
-        loss = self.forward_backward_pipeline(data)
-        self._optimizer_step()
+        try:
+            loss = self.forward_backward_pipeline(data)
+            self._optimizer_step()
+        except Exception as error:  # noqa: BLE001 (re-raised; the other stages read it)
+            self._post_failure(error)
+            raise
         return loss
+
+    # ---- a stage that fails alone: agree first, then let the others know ----
+
+    def _agree_groups(self):
+        """The groups whose all-reduces, in turn, sum a flag over every rank of the job:
+        pipe, then sharding and dp where they have more than one rank."""
+        hcg, groups = self._hcg, [self._hcg.get_pipe_parallel_group()]
+        if hcg.get_sharding_parallel_world_size() > 1:
+            groups.append(hcg.get_sharding_parallel_group())
+        if hcg.get_data_parallel_world_size() > 1:
+            groups.append(hcg.get_data_parallel_group())
+        return groups
+
+    def _stage_local_problems(self):
+        """Misuse that only this stage can see, as `(rule, detail)` pairs for `agree`.
+
+        Beyond Paddle, whose buffers assert it in the backward hook (on that stage alone,
+        while the other stages wait in a p2p receive): with release off, every grad of a
+        fused buffer must still be the view of its slot when a step starts.
+        """
+        moved = []
+        for buffers in self._chunk_2_comm_buffers.values():
+            for buffer in buffers:
+                moved += buffer._moved_grads()
+        return [(_MOVED_GRAD_MSG, ", ".join(moved) or None)]
+
+    def _agree_at_entry(self, refused=None):
+        """Beyond Paddle: before any p2p of a step, raise on every rank of the job the misuse
+        any stage sees (`_stage_local_problems`), an error that `_prepare_training` raised
+        on some rank (`refused`: a config or buffer that one stage finds wrong), and
+        accumulate_steps that differ across ranks (a rank with fewer micro-batches would
+        leave its peers' bucket collectives unmatched), with one small all-reduce per group
+        (and, if some rank refused, one more naming it). A stage that never arrives fails
+        the others at the group timeout, named."""
+        rules = self._stage_local_problems()
+        acc = self.accumulate_steps
+        flags = torch.tensor([int(d is not None) for _, d in rules]
+                             + [int(refused is not None), acc, acc * acc, 1],
+                             dtype=torch.int64, device=self._device())
+        store = _default_store()
+        if refused is not None and store is not None:  # read after the all-reduce below
+            store.set(f"relgrad/pipe/refused{dist.get_rank()}",
+                      f"{self._calls}|{type(refused).__name__}: {refused}")
+        self._store_set(f"at{self.stage_id}", str(self._calls))
+        try:
+            for group in self._agree_groups():
+                dist.all_reduce(flags, group=group)
+        except RuntimeError as error:
+            if "imed out" not in str(error):
+                raise
+            absent = [s for s in range(self.num_stages)
+                      if self._store_get(f"at{s}") != str(self._calls)]
+            raise self._stage_timeout(
+                f"train_batch's entry check: stage(s) {absent} of the pipe (global rank(s) "
+                f"{[self._hcg.get_rank_from_stage(s) for s in absent]}) did not reach "
+                f"train_batch call {self._calls}", absent) from error
+        *counts, refusals, total, squares, n = flags.tolist()
+        if refusals:
+            self._raise_refused(refused, refusals)
+        for (rule, detail), count in zip(rules, counts):
+            if count:
+                here = f"; on this rank: {detail}" if detail is not None else ""
+                raise ValueError(f"{rule} (seen on {count} rank(s) of the job{here})")
+        if total * total != squares * n:  # not all equal: mean squared != mean of squares
+            raise ValueError(
+                f"accumulate_steps differs across the ranks of the job (here {acc}, mean "
+                f"{total / n:g} over {n} ranks): a rank with fewer micro-batches runs fewer "
+                "backward passes, and the bucket collectives and p2p messages of the others "
+                "would wait for ever. Build every rank's HybridStrategy with the same "
+                "accumulate_steps")
+
+    def _raise_refused(self, refused, refusals):
+        """Raise on every rank what `_prepare_training` raised on one of the `refusals` rank(s)
+        (the highest global rank among them, found by one all-reduce MAX), as a ValueError
+        naming that rank and stage."""
+        who = torch.tensor([dist.get_rank() if refused is not None else -1],
+                           dtype=torch.int64, device=self._device())
+        for group in self._agree_groups():
+            dist.all_reduce(who, group=group, op=dist.ReduceOp.MAX)
+        rank = int(who)
+        if rank == dist.get_rank():
+            text = f"{type(refused).__name__}: {refused}"
+        else:
+            store, key = _default_store(), f"relgrad/pipe/refused{rank}"
+            note = store.get(key).decode() if store is not None and store.check([key]) else ""
+            calls, _, text = note.partition("|")
+            text = text or "(its error is on that rank)"
+        raise ValueError(f"train_batch refused on {refusals} rank(s) of the job, e.g. global "
+                         f"rank {rank}: {text}") from refused
+
+    def _store_key(self, name):
+        return f"relgrad/pipe/{self._uid}/{name}"
+
+    def _store_set(self, name, value):
+        store = _default_store()
+        if store is not None:
+            store.set(self._store_key(name), value)
+
+    def _store_get(self, name):
+        store, key = _default_store(), self._store_key(name)
+        if store is None or not store.check([key]):
+            return None
+        return store.get(key).decode()
+
+    def _post_failure(self, error):
+        """Leave this stage's error where the other stages of the pipe look when a p2p wait
+        times out (the default group's store), tagged with this train_batch call."""
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        try:
+            self._store_set(f"failed{self.stage_id}",
+                            f"{self._calls}|{type(error).__name__}: {first[:300]}")
+        except Exception:  # noqa: BLE001 (the store may be gone; the error stands)
+            pass
+
+    def _stage_timeout(self, what, stages):
+        """A TimeoutError for a wait on `stages` that timed out, with what they left."""
+        seconds = _group_timeout(self._hcg.get_pipe_parallel_group()).total_seconds()
+        failed = []
+        for s in range(self.num_stages):
+            note = self._store_get(f"failed{s}") if s != self.stage_id else None
+            if note and note.split("|", 1)[0] == str(self._calls):
+                failed.append(f"stage {s} (global rank {self._hcg.get_rank_from_stage(s)}) "
+                              f"failed with {note.split('|', 1)[1]}")
+        cause = ("; ".join(failed) + " (see its traceback)") if failed else (
+            "no stage left an error: it may be stuck, or dead")
+        return PipelineStageTimeout(
+            f"stage {self.stage_id} (global rank {dist.get_rank()}): {what} within the pipe "
+            f"group's timeout of {seconds:g} s; {cause}. Another stage failed or stopped "
+            f"answering: stage(s) {sorted(stages)}")
 
     def _prepare_training(self, optimizer, lr_scheduler, grad_clip=None):
         _check_grad_clip(grad_clip)
@@ -305,6 +532,8 @@ class PipelineParallel(nn.Module):
         """
         self._check_accumulation()
         inputs, labels = self._micro_batches(data)
+        self._round_order, self._first_check_ins, self._fired = [], {}, 0  # _fire_in_order
+        self._incomplete = None  # set by _scale_and_agree, read by _broadcast_final_loss
         acc, self.schedule_trace = self.accumulate_steps, []
         self._meta_sent = self._meta_recv = None
         self._total_loss = torch.zeros((), device=self._device())
@@ -349,10 +578,43 @@ class PipelineParallel(nn.Module):
         self._shared.allreduce_shared_weight_gradients()
         # wait and scale: the collectives were issued by the hooks of the last backward
         if self._comm_overlap:
-            for buffers in self._chunk_2_comm_buffers.values():
-                for buffer in buffers:
-                    buffer.scale_grads()
+            buffers = [b for bs in self._chunk_2_comm_buffers.values() for b in bs]
+            # the first-round order, then the buckets that never completed a round (backward
+            # completes the last buckets first)
+            late = self._round_order + [b for b in reversed(buffers)
+                                        if b not in self._round_order]
+            for buffer in late:
+                if buffer._task is None:
+                    self._issue_incomplete(buffer)
+            self._scale_and_agree(buffers)
         return self._broadcast_final_loss()
+
+    def _issue_incomplete(self, buffer):
+        """Beyond Paddle: issue, with what it holds, the collective of a bucket whose params
+        did not all check in every micro-batch on this rank (a param without a grad in some
+        micro-batch), so that the collectives its peers issued are matched;
+        `_scale_and_agree` then raises on every rank. Matched only if the bucket was the
+        last one the peers fired (one bucket per stage and owner, as with the default
+        128 MB buckets); a different order of buckets cannot be repaired after the fact."""
+        if buffer._release_grads:
+            for p in buffer.params:
+                if buffer._params_step_dict.get(p) == 0:
+                    buffer._copy_grad_to_buffer(p)
+        buffer._comm_grads()
+
+    def _scale_and_agree(self, buffers):
+        """Wait for and scale every bucket, then start the agreement that every bucket was
+        complete on every rank: a flag summed over the sharding / dp groups here, and over
+        the pipe by the loss's all-reduce (`_broadcast_final_loss`), which raises ValueError
+        on every rank if not, naming this rank's check-in counts where it saw them."""
+        incomplete = [f"bucket {b._id} ({b._check_in_status()})" for b in buffers
+                      if not b._all_params_checked_in]
+        for buffer in buffers:
+            buffer.scale_grads()
+        flag = torch.tensor([int(bool(incomplete))], dtype=torch.int32, device=self._device())
+        for group in self._agree_groups()[1:]:  # the pipe comes with the loss
+            dist.all_reduce(flag, group=group)
+        self._incomplete = (int(flag), "; ".join(incomplete) or None)
 
     def eval_batch(self, data, compute_loss=True):
         """Forward only over the micro-batches; returns the mean loss (or, if `compute_loss`
@@ -412,9 +674,24 @@ class PipelineParallel(nn.Module):
         loss = self._total_loss
         if self._delay_scale_loss and not scaled:
             loss = loss / self.accumulate_steps
-        last = self._hcg.get_rank_from_stage(self.num_stages - 1)
-        dist.broadcast(loss, src=last, group=self._hcg.get_pipe_parallel_group())
-        return loss
+        group = self._hcg.get_pipe_parallel_group()
+        pending, self._incomplete = self._incomplete, None
+        if pending is None:
+            last = self._hcg.get_rank_from_stage(self.num_stages - 1)
+            dist.broadcast(loss, src=last, group=group)
+            return loss
+        # Beyond Paddle: with comm overlap one all-reduce carries the loss (only the last
+        # stage's is not zero, so the sum is its loss, bitwise) and the incomplete-bucket
+        # flags of `_scale_and_agree`, instead of a broadcast and an all-reduce.
+        count, detail = pending
+        both = torch.stack([loss.float(), torch.tensor(float(count), device=loss.device)])
+        dist.all_reduce(both, group=group)
+        if both[1] > 0:
+            self._discard_grads()
+            here = f"; on this rank: {detail}" if detail is not None else ""
+            raise ValueError(f"{_INCOMPLETE_MSG.format(acc=self.accumulate_steps)} (seen on "
+                             f"{int(both[1])} rank(s) of the job{here})")
+        return both[0].clone()
 
     def _needs_dp_sync(self):
         # HybridParallelOptimizer's dp all-reduce when nothing else does it: no overlap and no
@@ -450,6 +727,18 @@ class PipelineParallel(nn.Module):
             _clear_grad(self.optimizer, set_to_zero=True)
         if self.lr_scheduler:
             self.lr_scheduler.step()
+
+    @torch.no_grad()
+    def _discard_grads(self):
+        """Drop (release) or zero this step's grads and buffers without stepping, so that the
+        next train_batch starts clean after an error raised on every rank."""
+        self._grads_pending = False
+        if self.optimizer is not None:  # as _optimizer_step clears them
+            _clear_grad(self.optimizer, set_to_zero=not self._release_gradients)
+        if self._release_gradients:
+            for buffers in self._chunk_2_comm_buffers.values():
+                for buffer in buffers:
+                    buffer._clear_grad_storage()
 
     def _check_accumulation(self):
         # Made from the call history, the same on every rank: all raise, none communicates.
@@ -494,7 +783,8 @@ class PipelineParallel(nn.Module):
         ops, got_prev, got_next = [], None, None
         if send_next is not None:
             if self._meta_sent is None:  # shape and dtype of activations, once per batch
-                dist.send(self._meta(send_next), dst=nxt, group=group)
+                meta = self._meta(send_next)
+                self._wait_p2p([dist.isend(meta, dst=nxt, group=group)], [nxt])
                 self._meta_sent = True
             ops.append(dist.P2POp(dist.isend, send_next.detach().contiguous(), nxt, group))
         if send_prev is not None and not first:
@@ -502,7 +792,7 @@ class PipelineParallel(nn.Module):
         if recv_prev and not first:
             if self._meta_recv is None:
                 meta = torch.zeros(_META_LEN, dtype=torch.long, device=self._device())
-                dist.recv(meta, src=prev, group=group)
+                self._wait_p2p([dist.irecv(meta, src=prev, group=group)], [prev])
                 code, ndim = int(meta[0]), int(meta[1])
                 self._meta_recv = (_DTYPES[code], [int(d) for d in meta[2 : 2 + ndim]])
             dtype, shape = self._meta_recv
@@ -512,13 +802,39 @@ class PipelineParallel(nn.Module):
             got_next = torch.empty_like(recv_next)
             ops.append(dist.P2POp(dist.irecv, got_next, nxt, group))
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            self._wait_p2p(dist.batch_isend_irecv(ops), [op.peer for op in ops])
         if recv_prev and first:
             return fallback
         if got_prev is not None:
             return got_prev.requires_grad_(got_prev.is_floating_point())
         return got_next
+
+    def _wait_p2p(self, works, peers):
+        """Wait for p2p `works` (one per op, to or from the global ranks `peers`), each
+        within the pipe group's timeout (gloo waits for ever by default). Beyond Paddle.
+
+        Raises PipelineStageTimeout (a TimeoutError) naming the peer's stage and, if that
+        stage (or another) failed in this train_batch call, its error. The timed-out op is
+        left pending (gloo cannot cancel it): the pipeline is not usable afterwards.
+        """
+        group = self._hcg.get_pipe_parallel_group()
+        if dist.get_backend(group) != "gloo":  # nccl: its watchdog enforces the timeout
+            for work in works:
+                work.wait()
+            return
+        timeout = self._p2p_timeout
+        peers = peers if len(peers) == len(works) else [None] * len(works)
+        for work, peer in zip(works, peers):
+            try:
+                work.wait(timeout)
+            except RuntimeError as error:
+                if "imed out" not in str(error):
+                    raise
+                _ABANDONED.append(works)  # gloo must not free a buffer it may still fill
+                stages = [s for s in range(self.num_stages)
+                          if peer in (None, self._hcg.get_rank_from_stage(s))]
+                raise self._stage_timeout(f"stage(s) {stages} did not answer a p2p message",
+                                          stages) from error
 
     def _meta(self, t):
         if t.dim() > _META_LEN - 2 or t.dtype not in _DTYPES:

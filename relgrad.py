@@ -175,11 +175,16 @@ class HybridCommunicateGroup:
         sharding   0 1 0 1 0 1 0 1
 
     Needs an initialised default process group; every rank creates every group, in order.
+    `timeout` (a timedelta) bounds each collective and p2p wait on the groups; None: the
+    default group's (torch's `new_group` would otherwise give its own default, 30 min, so a
+    stage waiting for a failed one would outlive the timeout the job was started with).
     Raises ValueError if the degrees do not multiply to the world size.
     """
 
-    def __init__(self, strategy):
+    def __init__(self, strategy, timeout=None):
         world, rank = dist.get_world_size(), dist.get_rank()
+        if timeout is None:
+            timeout = _default_group_timeout()
         strategy.check_world_size(world)
         shape = (strategy.dp_degree, strategy.pp_degree, strategy.sharding_degree)
         grid = torch.arange(world).reshape(shape)
@@ -188,7 +193,7 @@ class HybridCommunicateGroup:
         self._groups = []  # (group, global ranks) of this rank along dp, pp, sharding
         for axis, size in enumerate(shape):
             for ranks in grid.movedim(axis, -1).reshape(-1, size).tolist():
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     self._groups.append((group, ranks))
 
@@ -235,6 +240,15 @@ class HybridCommunicateGroup:
     def get_sharding_parallel_group(self):
         """The process group that shares one optimizer state."""
         return self._groups[2][0]
+
+
+def _default_group_timeout():
+    """The timeout the default group was initialised with (None if torch hides it)."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 (private API: new_group then uses its own default)
+        return None
 
 
 # ---- launcher ----
@@ -306,7 +320,16 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each flag's default, except where there is none to show (None)."""
 
     def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
+        if action.default is None or isinstance(action, argparse._AppendConstAction):
+            return action.help  # an append_const's default is the list it appends to
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with an error as one line (status 2) instead of the usage block and a line."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (relgrad.py --help lists the flags)\n")
 
 
 def parse_args(argv=None):
@@ -316,8 +339,8 @@ def parse_args(argv=None):
     run (demo.job.MODES), baseline first. A new mode takes one flag here, e.g.
     `p.add_argument("--x", dest="modes", action="append_const", const="x", help=...)`.
     """
-    p = argparse.ArgumentParser(prog="relgrad.py", description=_DESCRIPTION,
-                                formatter_class=_HelpFormatter)
+    p = _Parser(prog="relgrad.py", description=_DESCRIPTION,
+                formatter_class=_HelpFormatter)
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (pp_degree)")
     p.add_argument("--sharding", type=int, default=2, help="ZeRO-1 shards (sharding_degree)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (dp_degree)")
@@ -387,12 +410,32 @@ def parse_args(argv=None):
     if "free" in args.modes and args.sharding < 2:
         p.error("--free-grads-in-comm frees what a sharding rank will not read: it needs "
                 f"--sharding >= 2, got {args.sharding}")
-    if args.peers and ((args.pp, args.sharding, args.dp) != (2, 2, 1) or args.main_grad):
-        p.error("--peers runs one layout, sharding 2 without pipeline in fp32 on 2 processes; "
-                f"got --pp {args.pp} --sharding {args.sharding} --dp {args.dp}"
-                f"{' --main-grad' if args.main_grad else ''}: drop those flags")
+    if args.peers:
+        # only the flags that differ from what --peers runs (the defaults are not blamed)
+        extra = [f"--{k} {v}" for k, v, ok in (("pp", args.pp, 2), ("sharding", args.sharding, 2),
+                                                ("dp", args.dp, 1)) if v != ok]
+        extra += ["--main-grad"] * args.main_grad + ["--split-param"] * args.split_param
+        extra += [f"--vpp {args.vpp}"] * (args.vpp != 1)
+        extra += ["--free-grads-in-comm"] * ("free" in args.modes)
+        if extra:
+            p.error("--peers runs one layout, sharding v2 without pipeline in fp32 on 2 "
+                    f"processes; drop {' '.join(extra)}")
+    if not (0 < args.lr < float("inf")):
+        p.error(f"--lr must be a finite number > 0, got {args.lr}")
+    if not (0 < args.timeout < float("inf")):
+        p.error(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+    if args.trace is not None:
+        folder = os.path.dirname(os.path.abspath(args.trace))
+        if os.path.isdir(args.trace) or not os.path.isdir(folder) \
+                or not os.access(folder, os.W_OK):
+            p.error(f"--trace {args.trace}: cannot write a file there ("
+                    + ("it is a folder" if os.path.isdir(args.trace) else
+                       f"no folder {folder}" if not os.path.isdir(folder) else
+                       f"{folder} is not writable") + "); pass a file path in a folder that exists")
     from relgrad_demo.lm import load_text  # the demo imports this module: import it once we run
     try:
+        if args.data is not None:
+            _check_text(p, args.data)
         chars = len(load_text(args.data))
     except OSError as e:
         p.error(f"--data: cannot read {args.data!r}: {e.strerror}")
@@ -402,6 +445,19 @@ def parse_args(argv=None):
     opts = {k: v for k, v in vars(args).items()
             if k not in ("quiet", "json", "timeout", "peers")}
     return args, opts
+
+
+def _check_text(parser, path):
+    """Exit 2 (parser.error) if `path` does not look like UTF-8 text: NUL bytes, or more than
+    1% of its characters undecodable (the LM would learn replacement characters)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
+    if b"\0" in raw or bad > 0.01 * max(len(text), 1):
+        parser.error(f"--data {path!r} does not look like UTF-8 text ({bad:,} of {len(text):,} "
+                     "characters undecodable" + (", NUL bytes" if b"\0" in raw else "")
+                     + "): pass a text file")
 
 
 def main(argv=None):
@@ -414,6 +470,18 @@ def main(argv=None):
     else:
         fn, world, shown = job.train_job, args.pp * args.sharding * args.dp, report
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join that job
+        try:  # every rank checks before any of them starts a process group
+            if not args.peers:
+                job.make_strategy(opts).check_world_size(int(os.environ["WORLD_SIZE"]))
+            elif int(os.environ["WORLD_SIZE"]) != world:
+                raise ValueError(f"--peers runs on {world} processes; got WORLD_SIZE="
+                                 f"{os.environ['WORLD_SIZE']}: start torchrun with "
+                                 f"--nproc-per-node {world}")
+        except ValueError as e:
+            if os.environ["RANK"] == "0":
+                print(f"relgrad.py: error: {e} (under torchrun: --nproc-per-node)",
+                      file=sys.stderr)
+            return 2
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -436,6 +504,10 @@ def main(argv=None):
             results = launch(fn, world, (opts,), timeout=args.timeout)
         except mp.ProcessRaisedException as e:
             print(f"relgrad: a rank failed; its traceback:{e}", file=sys.stderr)
+            return 1
+        except TimeoutError as e:
+            print(f"relgrad: {e} (--timeout {args.timeout:g}); rerun with a larger --timeout "
+                  "(starting the processes alone takes seconds)", file=sys.stderr)
             return 1
     summary = shown.summarize(results, opts)
     if args.trace:

@@ -722,7 +722,12 @@ class _ShardingCheckpoint:
         shapes and owners (v1) / slices (v2), so that `load_state_dict` can refuse another
         layout. `state_dict()` returns it through torch's hooks. For a checkpoint that loads
         into any sharding degree (or a plain torch optimizer), use `consolidate_state_dict`.
+        Beyond that: v2 holding a consolidated state loaded before the pipeline built its
+        buffers (no slices yet) returns that consolidated state, which loads anywhere,
+        instead of an empty shard.
         """
+        if getattr(self, "_pending_state", None) is not None:
+            return _extras("checkpoint", "state_dict() of a pending state").pending_full(self)
         return {**super()._local_state_dict(), LAYOUT_KEY: layout(self)}
 
     def consolidate_state_dict(self, to=0):
@@ -777,7 +782,8 @@ class _ShardingCheckpoint:
 # `register_reduce_overlap_hook(use_comm=True)` and `scale_grads()` in `reduce_gradients`
 # (`dygraph_sharding_optimizer.py`; v1's counterpart is its tensor fusion). Beyond Paddle, the
 # ranks agree before waiting that every bucket's collective was issued everywhere, and a backward
-# pass too many raises, on every rank, instead of hanging or failing an assert on one rank.
+# pass too many or too few raises at step(), on every rank, instead of hanging or failing an
+# assert on one rank.
 
 class _OwnOverlap:
     """Mixed into the sharding optimizers; expects `pp_overlap`, `pp_release_grads`,
@@ -797,6 +803,7 @@ class _OwnOverlap:
         if self.comm_overlap and pp_degree > 1:  # Paddle asserts this for v2; here for v1 too
             raise ValueError(f"sharding_configs.comm_overlap needs pp_degree 1, got {pp_degree}: "
                              "with a pipeline use pp_configs.sharding_comm_overlap instead")
+        self._reset_check_in_order()
         if self._free_grads_in_comm and not self._buffers_released:
             raise ValueError("sharding_configs.free_grads_in_comm needs release: turn on "
                              "pp_configs.release_gradients (the pipeline's buffers under "
@@ -810,7 +817,8 @@ class _OwnOverlap:
         Differs from Paddle's v1 tensor fusion (`fused_parameters`), which also fuses the params
         and the optimizer into flat tensors (fuse_param, which Paddle does not allow with
         release) and scales before the reduce on every rank; here the params stay as they are,
-        release works, and only the owner scales, after the reduce.
+        release works, and only the owner scales, after the reduce (bf16 / fp16 buckets: every
+        rank, before, so that the sum cannot overflow: `comm_buffer.sums_in_16_bits`).
         """
         for rank in range(self._nranks):
             params = [p for p in self._parameter_list
@@ -835,69 +843,128 @@ class _OwnOverlap:
                    for b in buffers for p in b.params]
         weakref.finalize(self, _remove_hooks, handles)
 
-    def _too_many_micro_batches(self, buffers):
-        # Beyond Paddle (whose add_grad asserts): finish what is in flight on every rank (the
-        # same collectives were issued everywhere), reset the check-ins, then raise.
-        for buffer in buffers:
+    def _note_extra_pass(self, param):
+        """A check-in after the bucket's collective was issued: a backward pass beyond
+        accumulate_steps on this rank. Beyond Paddle (whose add_grad asserts, on this rank
+        alone, while the others wait in step()): the pass is counted, not checked in, and
+        `_wait_own_buffers` raises at step() on every rank, naming the counts."""
+        self._extra_passes[id(param)] = self._extra_passes.get(id(param), 0) + 1
+
+    def _reset_check_in_order(self):
+        """Forget this step's bucket order (`_issue_late_buckets`); at construction, after
+        step() and at clear_grad."""
+        self._round_order, self._first_check_ins, self._issue_order = [], {}, []
+        self._extra_passes = {}  # param id -> backward passes after its bucket was issued
+
+    def _note_check_in(self, buffer, param):
+        """Before `param` checks in: note when `buffer` completes its first round of check-ins
+        this step (every param once), which is the order its collective fires in a backward
+        pass on a rank that ran them all (the same graph on every rank)."""
+        if buffer._params_step_dict.get(param) == 0:
+            n = self._first_check_ins[id(buffer)] = self._first_check_ins.get(id(buffer), 0) + 1
+            if n == len(buffer.params):
+                self._round_order.append(buffer)
+
+    def _issue_late_buckets(self):
+        """comm_overlap, at the start of step(), before any other collective of it: issue,
+        with what it holds, the collective of every bucket this rank has not issued (it ran
+        fewer backward passes than accumulate_steps, or a param got no grad), so that every
+        rank has issued every bucket's collective once; `_wait_own_buffers` then raises on
+        every rank. Beyond Paddle (where the others would wait for ever).
+
+        Order: the order this rank's buckets completed their first round of check-ins this
+        step (a rank that ran every pass fired them in that order), then last step's order
+        of issue, then reverse bucket order (backward reaches the last params first).
+        """
+        buffers = self._own_buffers()
+        position = {id(b): i for i, b in enumerate(buffers)}
+        last = {id(b): i for i, b in enumerate(getattr(self, "_last_issue_order", []))}
+        ordered = list(self._round_order) + sorted(
+            (b for b in buffers if b not in self._round_order),
+            key=lambda b: (last.get(id(b), len(buffers)), -position[id(b)]))
+        for buffer in ordered:
             if buffer._task is not None:
-                buffer._task.wait()
-            buffer._reset_params_checked_in()
-        raise ValueError(f"sharding_configs.accumulate_steps={buffers[0]._acc_steps}, but a "
-                         "backward pass ran after every param had checked in that many times "
-                         "and the collectives had been issued: call step() after exactly "
-                         "accumulate_steps backward passes, or set accumulate_steps to the "
-                         "number of backward passes per step")
+                continue
+            for p in buffer.params:  # release: allocate, move in a grad not checked in
+                if buffer._release_grads and buffer._params_step_dict.get(p) == 0:
+                    buffer._copy_grad_to_buffer(p)
+            buffer._comm_grads()
 
     def _wait_own_buffers(self, buffers):
         """comm_overlap: at step(), wait for and scale every bucket the hooks reduced.
 
-        Paddle calls `scale_grads()` on each buffer. Beyond Paddle, the ranks first agree (one
-        all-reduce of one int per bucket) that every bucket's collective was issued on every
-        rank: a param that got no grad, or fewer backward passes than accumulate_steps, leaves
-        a bucket unissued, and waiting for it would block. Then each rank raises ValueError
-        (after waiting for the buckets that were issued everywhere, so nothing is left in
-        flight). A param used on some ranks only cannot be caught so: its bucket's collective
-        is already unmatched (DDP's find_unused_parameters walks the graph for that).
+        Paddle calls `scale_grads()` on each buffer. Beyond Paddle: `_issue_late_buckets` has
+        issued every bucket this rank had not; the ranks then gather each rank's backward
+        passes (the most check-ins of any param) and the fewest check-ins of any param. If
+        any rank has fewer than accumulate_steps, every rank waits for its collectives,
+        resets the check-ins and raises the same ValueError naming the counts per rank.
+        A param used on some ranks only is caught too when the bucket order allows; a
+        different order of buckets across ranks (a graph that differs per rank) cannot be
+        (DDP's find_unused_parameters walks the graph for that).
         """
         if not buffers:
             return
+        acc = buffers[0]._acc_steps
+        most, fewest = acc + max(self._extra_passes.values(), default=0), acc
+        if most == acc:
+            most = 0
+            for b in buffers:
+                left = list(b._params_step_dict.values())
+                most = max(most, acc if b._params_checked_in else max(left, default=0))
+        for b in buffers:
+            fewest = min(fewest, min(b._params_step_dict.values(), default=acc))
         device = buffers[0].params[0].device
-        issued = torch.tensor([b._task is not None for b in buffers], dtype=torch.int32,
-                              device=device)
-        dist.all_reduce(issued, group=self._group)
-        issued = issued.tolist()
-        if all(n == self._nranks for n in issued):
+        mine = torch.tensor([most, fewest], dtype=torch.int64, device=device)
+        counts = [torch.empty_like(mine) for _ in range(self._nranks)]
+        dist.all_gather(counts, mine, group=self._group)
+        counts = [c.tolist() for c in counts]
+        if all(high == low == acc for high, low in counts):
+            self._last_issue_order = list(self._issue_order)
+            self._reset_check_in_order()
             for buffer in buffers:
                 buffer.scale_grads()
             return
         missing = [f"bucket {b._id} ({b._check_in_status()})"
-                   for b, n in zip(buffers, issued) if n < self._nranks]
-        for buffer, n in zip(buffers, issued):
-            if n == self._nranks:
-                buffer._task.wait()
-            if n in (0, self._nranks):
-                buffer._reset_params_checked_in()
+                   for b in buffers if not b._all_params_checked_in]
+        for buffer in buffers:
+            buffer._task.wait()
+            buffer._reset_params_checked_in()
+        self._reset_check_in_order()
+        per_rank = ", ".join(f"sharding rank {r} (global rank {global_rank(self._group, r)}): "
+                             f"{hi} (fewest for a param: {low})"
+                             for r, (hi, low) in enumerate(counts))
         raise ValueError(
             "sharding_configs.comm_overlap: step() found buckets whose collective was not "
-            f"issued on every rank: {'; '.join(missing)}. Every trainable param must get a grad "
-            f"in each of accumulate_steps={buffers[0]._acc_steps} backward passes before "
-            "step(): leave unused params out of the optimizer (or set requires_grad=False "
-            "before building it), run exactly accumulate_steps backwards per step, and "
-            "clear grads only after step() (with release, zero_grad() between the backwards "
-            "of a step drops the half-accumulated buffer and its check-ins)")
+            f"issued on every rank after accumulate_steps={acc} backward passes. Backward "
+            f"passes per rank: {per_rank}. On this rank: {'; '.join(missing) or 'complete'}. "
+            f"Every trainable param must get a grad in each of accumulate_steps={acc} "
+            "backward passes before step(), on every rank: leave unused params out of the "
+            "optimizer (or set requires_grad=False before building it), run exactly "
+            "accumulate_steps backwards per step, and clear grads only after step() (with "
+            "release, zero_grad() between the backwards of a step drops the "
+            "half-accumulated buffer and its check-ins). The grads of this step are not "
+            "usable: clear them")
 
 
 def _own_overlap_hook(optimizer, buffer, param):
-    """`bw_hook_func(buffer, param)` that first raises (via the optimizer, on every rank)
-    when a bucket whose collective is already in flight checks in again."""
+    """`bw_hook_func(buffer, param)` that notes the first-round order of the buckets and, when
+    a bucket whose collective is already in flight checks in again, counts a backward pass
+    too many instead (raised at step(), on every rank, by `_wait_own_buffers`)."""
     check_in = bw_hook_func(buffer, param)
     optimizer_ref, buffer_ref = weakref.ref(optimizer), weakref.ref(buffer)
 
     def hook(param):
         optimizer, buffer = optimizer_ref(), buffer_ref()
-        if optimizer is not None and buffer is not None and buffer._task is not None:
-            optimizer._too_many_micro_batches(optimizer._own_buffers())
+        if optimizer is None or buffer is None:
+            check_in(param)
+            return
+        if buffer._task is not None:  # in flight: a backward pass too many on this rank
+            optimizer._note_extra_pass(param)
+            return
+        optimizer._note_check_in(buffer, param)
         check_in(param)
+        if buffer._task is not None:  # this check-in fired the bucket's collective
+            optimizer._issue_order.append(buffer)
 
     return hook
 
@@ -1318,6 +1385,8 @@ class DygraphShardingOptimizer(_Sharding):
     def _reduce_for_step(self):
         """The first half of `step()` (also run by `clip_grad_norm_`): agree, reduce to the
         owners, dp all-reduce. The owned grads are reduced and final afterwards."""
+        if self.comm_overlap:  # before any collective of step(): match every rank's buckets
+            self._issue_late_buckets()
         anywhere = self._agree_grads(self._has_grad(), [])
         for p, some_rank in zip(self._parameter_list, anywhere):
             if not some_rank:  # a zeroed grad nobody wrote: not stepped (torch: None)
@@ -1342,6 +1411,7 @@ class DygraphShardingOptimizer(_Sharding):
                 and not self._buffers_released):
             raise ValueError(_ERASE_MSG)
         self._reduced = self._grads_ready = False
+        self._reset_check_in_order()
         for p in self._parameter_list:
             _clear(p, set_to_zero)
         if self.pp_release_grads:
@@ -1482,6 +1552,7 @@ class DygraphShardingOptimizerV2(_Sharding):
         if not self._buffers_released and not set_to_zero:
             raise ValueError(_ERASE_MSG)
         self._reduced = self._grads_ready = False
+        self._reset_check_in_order()
         self._produced.clear()
         for p in self._parameter_list:
             _clear(p, set_to_zero)
@@ -1576,6 +1647,8 @@ class DygraphShardingOptimizerV2(_Sharding):
         """The first half of `step()` (also run by `clip_grad_norm_`): agree, reduce-scatter,
         bind the slices, dp all-reduce. The slice grads are reduced and final afterwards."""
         self._collect_comm_buffers()
+        if self.comm_overlap:  # before any collective of step(): match every rank's buckets
+            self._issue_late_buckets()
         rules = self._misuse_rules()
         anywhere = self._agree_grads(self._has_grad(), rules)
         self._begin_step()

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import comm_buffer
-from relgrad_checks import (checkpoints, clipping, contract, demo_peers, fused_buffer,
+from relgrad_checks import (checkpoints, clipping, contract, demo_peers, failures, fused_buffer,
                             interleave, loops, pipe, recipes, sharding_overlap, zero)
 from relgrad_demo.memory import live_grad_bytes
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
@@ -974,3 +974,235 @@ def test_setup_mismatch_raises_on_every_rank(ranks):
     assert any(not torch.equal(a, b) for a, b in zip(seed0, seed1))  # they did differ
     for a, b, want in zip(start0, start1, seed0):
         assert torch.equal(a, want) and torch.equal(b, want)
+# ---------------------------------------------------------------- issue 18: failures end alike
+
+def _same_error(seen, world, match):
+    """Assert every one of `world` ranks raised, the same type, and the text matches."""
+    assert len(seen) == world
+    assert all(s is not None for s in seen), f"some rank did not raise: {seen}"
+    assert len({s[0] for s in seen}) == 1, seen
+    for name, text in seen:
+        assert match in text, (name, text)
+
+
+def test_failure_moved_grad_on_one_stage(ranks):
+    """Check a grad rebound out of place on stage 1 (pp 2 x sharding 2, v1, overlap, release
+    off) raises the same address error on all 4 ranks, before any p2p."""
+    seen = ranks(4).run(failures.moved_grad_on_one_stage, timeout=60)
+    _same_error(seen, 4, "address of the grad/main_grad")
+    assert all("seen on 2 rank(s) of the job" in text for _, text in seen)
+
+
+def test_failure_stage_raises_mid_schedule(ranks):
+    """Check a loss that raises on the last stage mid-schedule fails the other stage within
+    the pipe group's timeout, naming the failed stage and its error."""
+    (last, _, _), (first, spent, is_timeout) = ranks(2).run(
+        failures.stage_fails_mid_schedule, 3, timeout=60)[::-1]
+    assert last == ("RuntimeError", "injected loss failure on the last stage")
+    assert first[0] == "PipelineStageTimeout" and is_timeout
+    assert "stage 1 (global rank 1) failed with RuntimeError: injected loss" in first[1]
+    assert 2.5 < spent < 30
+
+
+def test_failure_stage_never_arrives(ranks):
+    """Check a stage that never calls train_batch fails the other one at the group timeout,
+    named, instead of leaving it waiting."""
+    first, last = ranks(2).run(failures.stage_never_arrives, 3, timeout=60)
+    assert last is None
+    assert first[0] == "PipelineStageTimeout", first
+    assert "stage(s) [1] of the pipe (global rank(s) [1]) did not reach" in first[1]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("release", [False, True])
+def test_failure_fewer_backward_passes_own_overlap(ranks, version, release):
+    """Check a rank with 1 of 2 backward passes (and one with 0, one with 3) under sharding's
+    own overlap raises the same error naming the counts on both ranks, and the next step is
+    right."""
+    for passes in ([2, 1], [0, 2], [2, 3]):
+        seen = ranks(2).run(failures.fewer_backward_passes, version, release, passes,
+                            timeout=60)
+        _same_error([s[0] for s in seen], 2, "Backward passes per rank: ")
+        for _, text in (s[0] for s in seen):
+            assert (f"sharding rank 0 (global rank 0): {passes[0]}" in text
+                    and f"sharding rank 1 (global rank 1): {passes[1]}" in text), text
+        for _, params, reference in seen:
+            assert len(params) == len(reference) == 4
+            for p, q in zip(params, reference):
+                torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_failure_accumulate_steps_differ_under_pipeline(ranks, version):
+    """Check a rank whose strategy has fewer micro-batches (pp 2 x sharding 2, pipeline
+    overlap) raises the same error on all 4 ranks before any p2p or bucket collective."""
+    seen = ranks(4).run(failures.pipeline_accumulate_steps_differ, version, timeout=60)
+    _same_error(seen, 4, "accumulate_steps differs across the ranks of the job")
+
+
+def test_fp16_sums_do_not_overflow(ranks):
+    """Check an fp16 scalar pulled by 40000 and 30000 on 2 ranks steps to w = 0.65 (the mean,
+    35000, fits fp16; the sum does not) on every path that averages grads in 16 bits."""
+    results = ranks(2).run(failures.fp16_sums, timeout=90)
+    masters = torch.tensor(1 - 1e-5 * 35000).half()  # the wrappers step an fp32 master
+    w = nn.Parameter(torch.ones((), dtype=torch.float16))  # a torch optimizer steps in fp16
+    w.grad = torch.tensor(35000.0, dtype=torch.float16)
+    torch.optim.SGD([w], lr=1e-5).step()
+    assert not torch.equal(w.detach(), masters)  # the two references differ: both are needed
+    assert len(results) == 2
+    for result in results:
+        assert list(result) == list(failures.FP16_PATHS)
+        for path, got in result.items():
+            expected = w.detach() if path.startswith("dp") else masters
+            assert got.dtype == torch.float16 and torch.equal(got, expected), (path, got)
+    stages = ranks(4).run(failures.fp16_pipeline_dp_overlap, timeout=90)  # dp_comm_overlap
+    assert len(stages) == 4
+    assert all(got.dtype == torch.float16 and torch.equal(got, w.detach()) for got in stages)
+
+
+def test_fp32_sums_still_scale_after(ranks):
+    """Check fp32 fused buffers and all_reduce_mean still divide after the sum (3 ranks, a
+    sum whose rounding differs when divided first)."""
+    results = ranks(3).run(failures.fused_buffer_fp32_unchanged)
+    total = sum(r[2] for r in results)
+    after = total * (1.0 / 3)
+    assert not torch.equal(after, sum(r[2] * (1.0 / 3) for r in results)), "a weak case"
+    for fused, mean, _ in results:
+        assert torch.equal(fused, after) and torch.equal(mean, after)
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_resumed_scheduler_under_pipeline(ranks, version):
+    """Check a StepLR resumed on pp 2 x sharding 2 (pipeline overlap, release on) reads lr
+    0.025 and initial_lr 0.1 right after load_state_dict, an lr set before the first
+    train_batch stays, a state_dict() saved again before then keeps the state, and 2 more
+    batches equal the uninterrupted run bitwise."""
+    results = ranks(4).run(failures.resumed_scheduler_v2_pipeline, version, timeout=90)
+    plain = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)
+    plain.param_groups[0].update(lr=0.025, initial_lr=0.1)  # what torch's load leaves
+    torch.optim.lr_scheduler.StepLR(plain, 1, 0.5, last_epoch=1)
+    assert len(results) == 4
+    for seen, got, want in results:
+        assert seen == [0.025, 0.1] + [plain.param_groups[0]["lr"]] * 2
+        assert len(got) == len(want) > 0
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+# ---------------------------------------------------------------- issue 18: the command line
+
+@pytest.mark.parametrize("args, message", [
+    (["--trace", "/no/such/dir/t.json"], "--trace /no/such/dir/t.json: cannot write a file "
+                                         "there (no folder /no/such/dir)"),
+    (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--timeout", "0"], "--timeout must be a finite number of seconds > 0, got 0.0"),
+    (["--peers", "--main-grad"], "on 2 processes; drop --main-grad (relgrad.py --help"),
+    (["--peers", "--pp", "3", "--sharding", "1"], "drop --pp 3 --sharding 1 (relgrad.py"),
+    (["--pp", "x"], "argument --pp: invalid int value: 'x'"),
+])
+def test_cli_bad_argument_one_line(capsys, args, message):
+    """Check each bad flag ends in one line naming it and the fix, status 2, before any
+    process starts."""
+    import relgrad
+    with pytest.raises(SystemExit) as done:
+        relgrad.parse_args(args)
+    assert done.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("relgrad.py: error: "), lines
+    assert message in lines[0], lines[0]
+
+
+def test_cli_binary_data_refused(capsys, tmp_path):
+    """Check --data on a binary file is refused in one line (not decoded into a vocab of
+    replacement characters), while a UTF-8 text file with a few accents is accepted."""
+    import relgrad
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(bytes(range(256)) * 64)
+    with pytest.raises(SystemExit) as done:
+        relgrad.parse_args(["--data", str(binary)])
+    assert done.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "does not look like UTF-8 text" in lines[0], lines
+    text = tmp_path / "text.txt"
+    text.write_text("Grüße, naïve café. " * 40, encoding="utf-8")
+    _, opts = relgrad.parse_args(["--data", str(text), "--block", "16"])
+    assert opts["data"] == str(text)
+
+
+def test_cli_degrees_under_torchrun(capsys, monkeypatch):
+    """Check under torchrun's environment degrees that do not multiply to WORLD_SIZE end in
+    one line and status 2 on every rank (printed by rank 0), before any process group."""
+    import relgrad
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, printed in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        assert relgrad.main([]) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == printed, lines
+        assert all("= 4 (1 * 2 * 2) must equal the world size 2" in line for line in lines)
+        assert not dist.is_initialized()
+
+
+def test_cli_timeout_one_line(capsys):
+    """Check a --timeout too short for the run ends in one line and status 1, not a
+    traceback."""
+    import relgrad
+    assert relgrad.main(["--timeout", "1", "--pp", "1", "--steps", "1", "--layers", "1",
+                         "--d-model", "16", "--block", "8"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "still running after 1 s" in lines[0], lines
+    assert "rerun with a larger --timeout" in lines[0]
+
+
+def test_cli_help_free_grads_and_step_time_verdict(capsys):
+    """Check --help shows no list default for --free-grads-in-comm, and the step-time verdict
+    says there are too few timed steps below 3 (one or two timed steps)."""
+    import relgrad
+    from relgrad_demo.report import time_ratio
+    with pytest.raises(SystemExit):
+        relgrad.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    options = text.split("options:", 1)[1]
+    entry = options.split("--free-grads-in-comm ", 1)[1].split(" --", 1)[0]
+    assert "collective" in entry and "default" not in entry, entry
+    for n in (1, 2):
+        assert time_ratio([1.0] * n, [2.0] * n)["verdict"].startswith("too few timed steps")
+    assert time_ratio([1.0] * 3, [2.0] * 3)["verdict"] == "on is faster than off"
+
+
+def test_demo_vpp_phases_and_tied_params(tmp_path):
+    """Check the demo with --vpp 2 fills every phase row, and its param count is the one
+    process LM's with the tied embedding / head counted once."""
+    from relgrad_demo.lm import Corpus, lm_layers
+    result = _run_json([sys.executable, "relgrad.py", "--json", "--vpp", "2", "--steps", "2",
+                        "--layers", "2", "--d-model", "16", "--block", "16",
+                        "--micro-batch-size", "1"])
+    assert len(result["modes"]["on"]["phase_bytes"]) == 4
+    for mode in ("off", "on"):
+        for row in result["modes"][mode]["phase_bytes"]:
+            assert len(row) == len(_PHASES) and None not in row, (mode, row)
+    opts = {"d_model": 16, "seed": 0, "main_grad": False, "block": 16, "layers": 2,
+            "data": None}
+    vocab = len(Corpus({**opts, "micro_batch_size": 1, "micro_batches": 4}).vocab)
+    layers = [build() for build in lm_layers(vocab, opts, torch.device("cpu"))]
+    total = sum(p.numel() for layer in layers for p in layer.parameters())
+    assert result["config"]["model"]["params"] == total - vocab * 16  # the head's tied copy
+
+
+def test_failure_stage_refuses_to_start(ranks):
+    """Check a buffer that only stage 1 cannot build (main grads on some of its params) ends
+    train_batch on all 4 ranks with the same error naming that rank."""
+    seen = ranks(4).run(failures.stage_refuses_to_start, timeout=60)
+    _same_error(seen, 4, "train_batch refused on 2 rank(s) of the job, e.g. global rank 3: "
+                         "ValueError: bucket 0: params #[1] have no main_grad")
+
+
+@pytest.mark.parametrize("version, release", [(2, True), (2, False), (1, True)])
+def test_failure_param_left_out_under_pipeline(ranks, version, release):
+    """Check a param that one rank's micro-batch leaves out (pp 2 x sharding 2, pipeline
+    overlap) ends train_batch with the same error on all 4 ranks, naming the counts there."""
+    results = ranks(4).run(failures.pipeline_param_left_out, version, release, timeout=60)
+    seen = [r[0] for r in results]
+    _same_error(seen, 4, "was not complete after accumulate_steps=2 micro-batches")
+    assert "on this rank: bucket 0 (" in seen[3][1] and "(1 of 2)" in seen[3][1], seen[3]
+    assert [r[1] for r in results] == [0.0] * 4

@@ -245,7 +245,8 @@ def train_job(rank, world_size, opts):
 
     Returns this rank's {"rank", "stage", "runs": {mode: measures + "buffers"}, "equal":
     {mode: losses and final params bitwise equal to the baseline's}, "trace": Chrome events
-    or None, "vocab", "stage_params" (elements), "optimizer" (its name)}.
+    or None, "vocab", "stage_params" (elements, a tied weight's later copy left out),
+    "optimizer" (its name)}.
     """
     device = torch.device(opts.get("device") or "cpu")
     corpus = Corpus(opts)
@@ -269,7 +270,11 @@ def train_job(rank, world_size, opts):
     trace = (recorder.chrome_events(rank, f"rank {rank} (stage {stage})",
                                     [f"release {m}" for m in runs]) if recorder.enabled else None)
     return {"rank": rank, "stage": stage, "runs": measures, "equal": equal, "trace": trace,
-            "vocab": len(corpus.vocab), "stage_params": sum(p.numel() for p in first.params()),
+            "vocab": len(corpus.vocab),
+            # a tied weight's later copies (is_firstly_shared False) are not counted: with
+            # pp > 1 the first and last stage both hold the embedding / head tie
+            "stage_params": sum(p.numel() for p in first.model.parameters()
+                                if getattr(p, "is_firstly_shared", True)),
             "optimizer": optimizer_name(first.optimizer)}
 
 

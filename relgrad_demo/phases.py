@@ -48,11 +48,18 @@ class PipelineProbe:
         self._release_name = "release" if model._release_gradients else "zero grads"
         self._step_end = 0
         self.phase = "forward"  # what the run is doing now, for the peak's phase
-        self._wrap(model, "_forward_step", lambda *a: f"F{a[2]}",  # (x, label, micro-batch)
-                   lambda *a: self._enter("forward"))
-        self._wrap(model, "_backward_step", lambda *a: f"B{a[3]}",  # (x, out, grad, micro-batch)
-                   self._before_backward, self._after_backward)
-        self._wrap(model, "_p2p", "p2p")
+        if hasattr(model, "_backward_step_helper"):  # interleaved: (inputs, labels, k), (k,)
+            self._wrap(model, "_forward_step_helper", lambda *a: f"F{a[2]}",
+                       lambda *a: self._enter("forward"))
+            self._wrap(model, "_backward_step_helper", lambda *a: f"B{a[0]}",
+                       self._before_backward, self._after_backward)
+            self._wrap(model, "_ring_p2p", "p2p")
+        else:
+            self._wrap(model, "_forward_step", lambda *a: f"F{a[2]}",  # (x, label, micro-batch)
+                       lambda *a: self._enter("forward"))
+            self._wrap(model, "_backward_step", lambda *a: f"B{a[3]}",  # (x, out, grad, mb)
+                       self._before_backward, self._after_backward)
+            self._wrap(model, "_p2p", "p2p")
         self._wrap(optimizer, "step", "optimizer step", lambda *a: self._enter("step"),
                    after=self._after_optimizer_step)
         self._wrap(model, "_optimizer_step", None, lambda *a: self._enter("step"),

@@ -46,6 +46,7 @@ from relgrad_demo.job import EVAL_BATCHES, MODES, make_strategy
 from relgrad_demo.phases import PHASES
 
 WIDE = 0.2  # a ratio's middle half wider than this, spanning 1.0, decides nothing
+MIN_TIMED = 3  # fewer timed steps than this (after step 1) decide nothing either
 
 
 def quartiles(values):
@@ -59,10 +60,13 @@ def quartiles(values):
 def time_ratio(times, base_times, name="on", base="off"):
     """Per-step ratios `times[s] / base_times[s]` of runs trained in turns, summarized:
     {"median", "iqr": [q1, q3], "steps", "verdict"}; the verdict says faster / slower only
-    when the middle half of the ratios lies on one side of 1."""
+    when there are at least MIN_TIMED ratios and their middle half lies on one side of 1."""
     ratios = [t / b for t, b in zip(times, base_times)]
     q1, median, q3 = quartiles(ratios)
-    if q3 < 1:
+    if len(ratios) < MIN_TIMED:
+        verdict = (f"too few timed steps to conclude ({len(ratios)}; step 1 is not counted "
+                   f"when there are more): pass --steps {MIN_TIMED + 1} or more")
+    elif q3 < 1:
         verdict = f"{name} is faster than {base}"
     elif q1 > 1:
         verdict = f"{name} is slower than {base}"
@@ -203,7 +207,8 @@ def _print_config(config):
           f"{config['dp_degree']} = {config['processes']} processes, {config['optimizer']}, "
           f"{' and '.join(overlap) or 'no comm overlap'};\n{config['accumulate_steps']} "
           f"micro-batches of {config['micro_batch_size']} x {model['block_chars']} characters "
-          f"per step and replica; {model['params']:,} params, {model['dtype']}")
+          f"per step and replica; {model['params']:,} params (the tied embedding / head "
+          f"weight counted once), {model['dtype']}")
     if not any(config["fused_buffers"]):
         print("no rank holds a fused grad buffer in this layout: release on only drops each "
               ".grad after the step,\nas torch's default zero_grad() (set_to_none=True) does; "

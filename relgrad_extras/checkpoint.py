@@ -58,9 +58,8 @@ def consolidate(opt, to):
         raise ValueError(f"consolidate_state_dict(to={to!r}): `to` is the sharding rank that "
                          f"receives the state, an int in [0, {opt._nranks}); pass e.g. to=0")
     groups = _full_groups(opt)
-    pending = getattr(opt, "_pending_state", None)
-    if pending is not None:  # loaded before the pipeline built v2's buffers; not stepped since
-        return copy.deepcopy(pending) if opt._rank == to else None
+    if getattr(opt, "_pending_state", None) is not None:  # loaded before v2's buffers
+        return pending_full(opt) if opt._rank == to else None
     # collect this rank's pieces
     inner, masters = _torch_opt(opt), _masters(opt)
     state, master_pieces = {}, {}
@@ -108,6 +107,18 @@ def consolidate(opt, to):
     return result
 
 
+def pending_full(opt):
+    """The consolidated state loaded before the pipeline built v2's buffers (not stepped
+    since), with the hyper-parameters as they are now: what `consolidate` returns then,
+    and what `state_dict()` returns on every rank then (a per-rank state has no slices yet
+    to hold it; this one loads into any layout)."""
+    result = copy.deepcopy(opt._pending_state)
+    for saved, group in zip(result["param_groups"], _torch_opt(opt).param_groups):
+        saved.update({k: copy.deepcopy(v) for k, v in group.items()
+                      if k not in ("params", "param_names")})
+    return result
+
+
 def _paste(slots, key, piece, lo, real, numel):
     if key not in slots:
         slots[key] = torch.empty(numel, dtype=piece.dtype)
@@ -144,8 +155,10 @@ def apply_pending(opt):
     pending = getattr(opt, "_pending_state", None)
     if pending is not None:
         opt._pending_state = None
-        # the groups were checked against this optimizer at load; v2 knows them locally
-        _apply_full(opt, pending, _local_groups(opt))
+        # the groups were checked against this optimizer at load; v2 knows them locally.
+        # The hyper-parameters went in at load: what was set since (an LR scheduler built
+        # or stepped before the first train_batch) stays.
+        _apply_full(opt, pending, _local_groups(opt), hyper=False)
 
 
 def check_full(opt, state_dict, groups):
@@ -210,14 +223,15 @@ def _place(value, name, piece, key_param, group):
     return value.to(dtype=dtype, device=key_param.device, copy=True)
 
 
-def _apply_full(opt, state_dict, groups):
+def _apply_full(opt, state_dict, groups, hyper=True):
     ids = _id_map(state_dict, groups)
     by_index = {ids[k]: v for k, v in state_dict["state"].items()}
     saved_masters = {ids[k]: v for k, v in state_dict.get("master_weights", {}).items()}
     inner, masters, pieces = _torch_opt(opt), _masters(opt), _local_pieces(opt)
     index, targets, start = _target_index(opt), _targets(opt), 0
     inner.state.clear()
-    _apply_hyper(opt, state_dict)
+    if hyper:
+        _apply_hyper(opt, state_dict)
     for group in inner.param_groups:
         for target in targets[start : start + len(group["params"])]:
             i = index[target]

@@ -132,16 +132,17 @@ class PipelineParallelWithInterleave(PipelineParallel):
     def _comm_chunk(self, chunk):
         for buffer in self._chunk_2_comm_buffers.get(chunk, []):
             if buffer not in self._shared.held_buffers:  # a tied copy's: after the tie sum
-                buffer.comm_grads()
+                if buffer._all_params_checked_in:
+                    buffer.comm_grads()
+                else:  # issued anyway at its place in the schedule; agreed on at the sync
+                    self._issue_incomplete(buffer)
 
     def _sync_overlap_grads(self):
         """Wait for and scale every chunk's buffers (Paddle's `_sync_overlap_grads`)."""
         if not self._comm_overlap:
             return
         assert self._backward_step_count == self.num_stages * self.num_model_chunks
-        for buffers in self._chunk_2_comm_buffers.values():
-            for buffer in buffers:
-                buffer.scale_grads()
+        self._scale_and_agree([b for bs in self._chunk_2_comm_buffers.values() for b in bs])
 
     # ---- the schedule ----
 
@@ -300,7 +301,7 @@ class PipelineParallelWithInterleave(PipelineParallel):
             self._meta_sent.add(send_chunk)
         if recv_prev is not None and recv_prev not in self._meta_recv:
             meta = torch.zeros(_META_LEN, dtype=torch.long, device=self._device())
-            dist.recv(meta, src=prev, group=group)
+            self._wait_p2p([dist.irecv(meta, src=prev, group=group)], [prev])
             code, ndim = int(meta[0]), int(meta[1])
             self._meta_recv[recv_prev] = (_DTYPES[code], [int(d) for d in meta[2 : 2 + ndim]])
         if send_next is not None:
@@ -315,10 +316,8 @@ class PipelineParallelWithInterleave(PipelineParallel):
             got_next = torch.empty_like(recv_next)
             ops.append(dist.P2POp(dist.irecv, got_next, nxt, group))
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        for _, work in meta_works:
-            work.wait()
+            self._wait_p2p(dist.batch_isend_irecv(ops), [op.peer for op in ops])
+        self._wait_p2p([work for _, work in meta_works], [nxt] * len(meta_works))
         if got_prev is not None:
             got_prev.requires_grad_(got_prev.is_floating_point())
         return got_prev, got_next
