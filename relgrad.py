@@ -354,8 +354,8 @@ def parse_args(argv=None):
                    help="virtual pipeline stages per rank (interleaved 1F1B when > 1)")
     p.add_argument("--free-grads-in-comm", dest="modes", action="append_const", const="free",
                    help="also run release on + sharding_configs.free_grads_in_comm (a third "
-                   "mode; with --peers a fifth row): what a rank will not read is freed right "
-                   "after its bucket's collective, during backward")
+                   "mode, and a fifth row of the peers table): what a rank will not read is "
+                   "freed right after its bucket's collective, during backward")
     p.add_argument("--comm-buffer-mb", type=int, metavar="MB",
                    help="sharding_configs.comm_buffer_size_MB: MB per fused grad buffer "
                    "(bucket) of sharding (default: Paddle's 256 for sharding's own buffers, "
@@ -415,8 +415,7 @@ def parse_args(argv=None):
         extra = [f"--{k} {v}" for k, v, ok in (("pp", args.pp, 2), ("sharding", args.sharding, 2),
                                                 ("dp", args.dp, 1)) if v != ok]
         extra += ["--main-grad"] * args.main_grad + ["--split-param"] * args.split_param
-        extra += [f"--vpp {args.vpp}"] * (args.vpp != 1)
-        extra += ["--free-grads-in-comm"] * ("free" in args.modes)
+        extra += [f"--vpp {args.vpp}"] * (args.vpp != 1)  # --free-grads-in-comm: a 5th row
         if extra:
             p.error("--peers runs one layout, sharding v2 without pipeline in fp32 on 2 "
                     f"processes; drop {' '.join(extra)}")
