@@ -299,7 +299,16 @@ def _failing_worker(rank, world):
                       torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def _hanging_worker(rank, world):
+def _hanging_worker(rank, world, hold=60.0):
+    """Rank 0 waits for a message rank 1 never sends; rank 1 stays alive (for `hold` seconds)
+    so the wait ends only by the launcher's timeout, not by the peer's exit resetting the
+    connection. Rank 0 polls instead of blocking in gloo, whose own timeout (the launcher's)
+    would otherwise race the launcher's."""
     if rank == 0:
-        dist.recv(torch.zeros(1), src=1)  # rank 1 never sends
+        work = dist.irecv(torch.zeros(1), src=1)  # rank 1 never sends
+        deadline = time.monotonic() + hold
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        time.sleep(hold)
 
