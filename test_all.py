@@ -434,7 +434,7 @@ def test_pipeline_pp_only(ranks, delay_scale_loss):
 
 
 def test_pipeline_loss_scaled_once(ranks):
-    """Check 4 micro-batches of 1 sample give the grads of 1 micro-batch of 4."""
+    """Check 4 micro-batches of 1 sample and 1 of 4 give each stage one process's grads."""
     ranks(2).run(pipe.loss_scaled_once)
 
 

@@ -252,15 +252,21 @@ def pp_only(rank, world, delay_scale_loss):
 
 
 def loss_scaled_once(rank, world):
-    """4 micro-batches of 1 sample == 1 micro-batch of 4 samples: the loss is scaled once."""
+    """4 micro-batches of 1 sample and 1 micro-batch of 4 samples: each stage's grads equal one
+    process's on the whole batch of 4, so the loss is scaled by 1/acc once (not 0 or 2 times)."""
     hcg = HybridCommunicateGroup(_strategy(pp=2, acc=4))
-    grads = []
+    x, y = _data(0, 4, PIPE_SIZES[0], PIPE_SIZES[-1])
+    oracle = nn.Sequential(*_pipe_layers())
+    _mse(oracle(x), y).backward()
+    want = [p.grad for p in oracle.parameters()]
     for acc, mbs in ((4, 1), (1, 4)):
         model = PipelineParallel(_pipe_layers(), hcg, _strategy(pp=2, acc=acc), _mse)
-        model.forward_backward_pipeline(_data(0, 4, PIPE_SIZES[0], PIPE_SIZES[-1]))
-        grads.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        model.forward_backward_pipeline((x, y))
+        got = [p.grad for p in model.parameters()]
+        part = want[_stage_slice(model, hcg)]
+        assert len(got) == len(part) > 0, (len(got), len(part))
+        for a, b in zip(got, part):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     return "ok"
 
 
