@@ -12,6 +12,7 @@ from torch import nn
 
 from comm_buffer import HOOK_ACTION, register_main_grad_hooks
 from relgrad import DygraphShardingConfig, HybridStrategy, PpConfig
+from sharding import MixPrecisionOptimizer
 
 ACTIONS = (HOOK_ACTION.ALL_REDUCE, HOOK_ACTION.REDUCE, HOOK_ACTION.REDUCE_SCATTER)
 
@@ -115,3 +116,64 @@ def _pipe_layers(dtype=torch.float32, main_grad=False):
 def _mse(out, y):
     return F.mse_loss(out.float(), y.float())
 
+
+
+def _main_grad_oracle(make_model, opt_name, steps, batches):
+    """One process, bf16 params with fp32 main grads and masters, summing the grads in the
+    ranks' order, so the distributed run must equal it bitwise. `batches(step)` gives one
+    list of micro-batches (x, y) per data replica (at most 2: a sum of two fp32 values is the
+    same in any order, which is what makes the collective's sum exact here). Per replica the
+    fp32 main grads of loss/acc accumulate micro-batch by micro-batch (as the main-grad hooks
+    and the fused buffers do); the replicas' sums are added and scaled by 1/replicas (the
+    collective), then MixPrecisionOptimizer steps. Returns (losses, trajectory): per step
+    the per-replica sums of loss/acc (what a pipeline's train_batch returns), and the params
+    after each step."""
+    model = make_model()
+    params = list(model.parameters())
+    assert params and all(p.dtype == torch.bfloat16 for p in params)
+    assert not any(hasattr(p, "main_grad") for p in params), "make_model adds no hooks"
+    register_main_grad_hooks(params)
+    opt = MixPrecisionOptimizer(OPTIMIZERS[opt_name](params))
+    losses, traj = [], []
+    for step in range(steps):
+        per_replica = batches(step)
+        assert 1 <= len(per_replica) <= 2, len(per_replica)
+        sums, step_losses = None, []
+        for micro_batches in per_replica:
+            assert micro_batches
+            total = torch.zeros(())
+            for x, y in micro_batches:
+                loss = _mse(model(x), y) / len(micro_batches)
+                total += loss.detach()
+                loss.backward()
+            grads = [p.main_grad for p in params]
+            sums = grads if sums is None else [a + b for a, b in zip(sums, grads)]
+            for p in params:
+                p.main_grad = None
+            step_losses.append(total)
+        for p, s in zip(params, sums):
+            p.main_grad = s * (1.0 / len(per_replica))
+        opt.step()
+        for p in params:
+            p.main_grad = None
+        losses.append(step_losses)
+        traj.append([p.detach().clone() for p in params])
+    return losses, traj
+
+
+def _pipe_batches(replicas, acc, mbs, dtype=torch.bfloat16):
+    """`batches(step)` for `_main_grad_oracle`: the pipeline tests' data, split as they split
+    it (replica r's chunk of the step's batch, then `acc` micro-batches of `mbs`)."""
+    def batches(step):
+        x, y = (t.to(dtype) for t in _data(step, replicas * acc * mbs, PIPE_SIZES[0],
+                                           PIPE_SIZES[-1]))
+        return [list(zip(xr.chunk(acc), yr.chunk(acc)))
+                for xr, yr in zip(x.chunk(replicas), y.chunk(replicas))]
+    return batches
+
+
+def _assert_moved(traj, start):
+    """Every param changed over the run: the optimizer stepped (sizes asserted first)."""
+    assert len(traj) > 0 and len(traj[-1]) == len(start) > 0, (len(traj), len(start))
+    unmoved = [i for i, (a, b) in enumerate(zip(traj[-1], start)) if torch.equal(a, b)]
+    assert not unmoved, f"params {unmoved} never moved"
