@@ -13,8 +13,8 @@ from torch import nn
 from comm_buffer import register_main_grad_hooks
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import (OPTIMIZERS, _data, _io, _mlp, _oracle, _released, _same_on_all,
-                           _strategy)
+from relgrad_checks.common import (OPTIMIZERS, _assert_moved, _data, _io, _main_grad_oracle, _mlp,
+                                   _oracle, _released, _same_on_all, _strategy)
 
 
 def _sharded(hcg, strategy, version, make_model, opt_name, steps, batch, set_to_none,
@@ -202,7 +202,8 @@ def _check_sched_and_state(hcg, strategy):
 
 
 def _check_main_grad_sharding(hcg, strategy):
-    """bf16 params with fp32 main grads and masters: release on == off, close to the oracle."""
+    """bf16 params with fp32 main grads and masters: release on == off, both bitwise equal to
+    one process (`_main_grad_oracle`), whose params all move."""
     def make():
         model = _mlp([6, 16, 4]).to(torch.bfloat16)
         register_main_grad_hooks(model.parameters())
@@ -228,19 +229,17 @@ def _check_main_grad_sharding(hcg, strategy):
                 trajs[release].append([p.detach().clone() for p in model.parameters()])
         for off, on in zip(trajs[False], trajs[True]):
             assert all(torch.equal(a, b) for a, b in zip(off, on))
-        model = make()
-        start = [p.detach().clone() for p in model.parameters()]
-        opt = MixPrecisionOptimizer(OPTIMIZERS["adam"](model.parameters()))
-        for step in range(3):
-            x, y = (t.bfloat16() for t in _data(step, 8, 6, 4))
-            F.mse_loss(model(x).float(), y.float()).backward()
-            opt.step()
-            opt.zero_grad()
-        assert all(not torch.equal(a, b) for a, b in zip(start, model.parameters()))
-        for got, want in zip(trajs[True][-1], model.parameters()):
-            torch.testing.assert_close(got.float(), want.detach().float(), rtol=0, atol=2e-2)
-
-
+        # one process summing the two halves' fp32 main grads as the collective does: the
+        # same bits; its params all move (a sharded optimizer that never steps fails here)
+        _, oracle = _main_grad_oracle(
+            lambda: _mlp([6, 16, 4]).to(torch.bfloat16), "adam", 3,
+            lambda step: [[(x.bfloat16(), y.bfloat16())]
+                          for x, y in zip(*(t.chunk(2) for t in _data(step, 8, 6, 4)))])
+        _assert_moved(oracle, list(_mlp([6, 16, 4]).to(torch.bfloat16).parameters()))
+        assert len(trajs[True]) == len(oracle) == 3
+        for got, want in zip(trajs[True], oracle):
+            assert len(got) == len(want) > 0
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), version
 
 
 def _sharding_only(world, dp=1):
