@@ -13,8 +13,9 @@ from pipeline import PipelineParallel
 from relgrad_extras.interleave import PipelineParallelWithInterleave
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _data, _mse, _pipe_layers, _released,
-                           _same_on_all, _strategy)
+from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_moved, _data,
+                                   _main_grad_oracle, _mse, _pipe_batches, _pipe_layers,
+                                   _released, _same_on_all, _strategy)
 from relgrad_checks.clipping import _tied_layers, _tied_oracle
 from relgrad_checks.pipe import _V1, _V2, _pipe_oracle, _spy_collectives
 
@@ -195,8 +196,18 @@ def _train(hcg, strategy, vpp, wrap, opt_name, dtype, main_grad, steps, mbs, pro
 def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad=False,
                 steps=3, mbs=2, bounds=None):
     replicas = base.dp_degree * base.sharding_degree
-    oracle_losses, oracle = _pipe_oracle(opt_name, steps, replicas * base.accumulate_steps * mbs,
-                                         dtype, main_grad)
+    if main_grad:  # bitwise: one process summing the fp32 main grads in the ranks' order
+        replica = hcg.get_data_parallel_rank() * base.sharding_degree \
+            + hcg.get_sharding_parallel_rank()
+        oracle_losses, oracle = _main_grad_oracle(
+            lambda: torch.nn.Sequential(*_pipe_layers(dtype)), opt_name, steps,
+            _pipe_batches(replicas, base.accumulate_steps, mbs, dtype))
+        _assert_moved(oracle, [p.detach() for l in _pipe_layers(dtype) for p in l.parameters()])
+        oracle_losses = [step_losses[replica] for step_losses in oracle_losses]
+    else:
+        oracle_losses, oracle = _pipe_oracle(opt_name, steps,
+                                             replicas * base.accumulate_steps * mbs, dtype)
+    assert len(oracle) == steps
     args = (wrap, opt_name, dtype, main_grad, steps, mbs)
     plain = _train(hcg, base, 1, *args)
     collectives, model_ref = [], [None]
@@ -217,17 +228,25 @@ def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad
             runs[release] = _train(hcg, strategy, 2, *args, probe=tracked, bounds=bounds)
     finally:
         restore()
-    tol = dict(rtol=0, atol=2e-2) if main_grad else dict(rtol=1e-5, atol=1e-6)
+    assert sorted(runs) == [False, True] and len(plain[0]) == len(plain[1]) == steps
     for release, (losses, traj) in runs.items():
+        assert len(losses) == len(traj) == steps
         # interleaved == plain 1F1B bitwise: same per-param sums in the same micro-batch order
         assert all(torch.equal(a, b) for a, b in zip(losses, plain[0])), release
+        assert all(len(s) == len(t) > 0 for s, t in zip(traj, plain[1]))
         assert all(torch.equal(a, b) for s, t in zip(traj, plain[1]) for a, b in zip(s, t))
         for loss, got, want_loss, want in zip(losses, traj, oracle_losses, oracle):
+            assert len(got) == len(want) > 0, (len(got), len(want))
+            if main_grad:
+                assert torch.equal(loss, want_loss), (loss, want_loss)
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), release
+                continue
             mean = loss.clone()
             dist.all_reduce(mean)
-            torch.testing.assert_close(mean / dist.get_world_size(), want_loss, **tol)
+            torch.testing.assert_close(mean / dist.get_world_size(), want_loss,
+                                       rtol=1e-5, atol=1e-6)
             for g, w in zip(got, want):
-                torch.testing.assert_close(g.float(), w.float(), **tol)
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 def pp_only(rank, world):
