@@ -256,19 +256,63 @@ def pp_only(rank, world):
                                  (2, "sgd", False)):
         strategy = _strategy(pp=2, acc=acc, delay_scale_loss=delay)
         _check_case(HybridCommunicateGroup(strategy), strategy, None, opt_name)
-    # global-norm clipping (grad_clip/) over the chunks: the norm's per-rank partial sums
-    # differ from plain 1F1B's (other params per rank), so close, not bitwise
+    # global-norm clipping (grad_clip/) over the chunks, against one process clipping with
+    # torch's clip_grad_norm_ (the norm stays above clip_norm, where Paddle's coefficient
+    # clip / (norm + 1e-6) is torch's); vpp 1 and 2 close, not bitwise: the norm's per-rank
+    # partial sums differ (other params per rank)
+    steps, clip = 3, 0.05
+    want_norms, want = _clipped_oracle(steps, clip, batch=4 * 2)
+    assert len(want_norms) == steps and min(want_norms) > clip  # the clip is active
     strategy = _strategy(pp=2, acc=4)
     hcg = HybridCommunicateGroup(strategy)
-    runs = [_train(hcg, strategy, vpp, None, "sgd", torch.float32, False, 3, 2,
-                   clip=ClipGradByGlobalNorm(0.05)) for vpp in (1, 2)]
-    unclipped = _train(hcg, strategy, 1, None, "sgd", torch.float32, False, 3, 2)
-    for (l1, t1), (l2, t2) in zip(runs, runs[1:]):
-        torch.testing.assert_close(l1, l2, rtol=1e-6, atol=0)
-        for a, b in zip(t1, t2):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    assert not torch.allclose(runs[1][1][0][0], unclipped[1][0][0])  # the clip bit
+    runs = []
+    for vpp in (1, 2):
+        grad_clip = _RecordingClip(clip)
+        runs.append(_train(hcg, strategy, vpp, None, "sgd", torch.float32, False, steps, 2,
+                           clip=grad_clip))
+        assert len(grad_clip.norms) == steps, len(grad_clip.norms)
+        for norm, want_norm in zip(grad_clip.norms, want_norms):
+            torch.testing.assert_close(norm, want_norm, rtol=1e-5, atol=0)
+        losses, traj = runs[-1]
+        assert len(traj) == steps
+        for got, w in zip(traj, want):
+            assert len(got) == len(w) > 0, (len(got), len(w))
+            for a, b in zip(got, w):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    (l1, t1), (l2, t2) = runs
+    torch.testing.assert_close(l1, l2, rtol=1e-6, atol=0)
+    for a, b in zip(t1, t2):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     return "ok"
+
+
+class _RecordingClip(ClipGradByGlobalNorm):
+    """ClipGradByGlobalNorm that keeps each call's global norm."""
+
+    def __init__(self, clip_norm):
+        super().__init__(clip_norm)
+        self.norms = []
+
+    def __call__(self, *args, **kwargs):
+        out = super().__call__(*args, **kwargs)
+        self.norms.append(self.global_norm.detach().clone())
+        return out
+
+
+def _clipped_oracle(steps, clip, batch):
+    """One process, the whole model and batch, SGD (as OPTIMIZERS["sgd"]) after torch's
+    clip_grad_norm_: (norms, params after each step)."""
+    model = torch.nn.Sequential(*_pipe_layers())
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    norms, traj = [], []
+    for step in range(steps):
+        x, y = _data(step, batch, PIPE_SIZES[0], PIPE_SIZES[-1])
+        _mse(model(x), y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        opt.step()
+        opt.zero_grad()
+        traj.append([p.detach().clone() for p in model.parameters()])
+    return norms, traj
 
 
 def with_sharding_and_dp(rank, world):
