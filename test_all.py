@@ -331,7 +331,8 @@ def test_contract_add_param_group(ranks):
 
 
 def test_contract_optimizer_hooks(ranks):
-    """Check torch's step and state_dict / load_state_dict hooks run on the wrappers."""
+    """Check torch's step and state_dict / load_state_dict hooks run on the wrappers, and what
+    a pre-hook hands back is what loads (the lr it swaps in drives the next step)."""
     ranks(2).run(contract.hooks)
 
 

@@ -149,27 +149,41 @@ def add_param_group(rank, world):
 
 
 def hooks(rank, world):
-    """torch's step and state_dict / load_state_dict hooks run on the wrappers."""
+    """torch's step and state_dict / load_state_dict hooks run on the wrappers, in order, and
+    what a hook returns is what is saved / loaded: the load pre-hook swaps in a state saved
+    with lr 0.5, which the next step uses (w: 1 -> 0 at lr 1, then -> -0.5)."""
     hcg, strategy = _groups(world)
     for kind in ("mix", V1, V2):
         m = _Params(w=1.0)
         opt = _wrap(kind, torch.optim.SGD(m.parameters(), lr=1.0), hcg, strategy)
-        calls = []
+        calls, swap = [], {}
+
+        def load_pre(o, sd):
+            calls.append(("load_pre", o is opt, sd.get("extra")))
+            return {k: v for k, v in swap["sd"].items() if k != "extra"}
+
         opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o is opt)))
         opt.register_step_post_hook(lambda o, a, k: calls.append(("post", o is opt)))
         opt.register_state_dict_pre_hook(lambda o: calls.append(("sd_pre", o is opt)))
         opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 7})
-        opt.register_load_state_dict_pre_hook(
-            lambda o, sd: {k: v for k, v in sd.items() if k != "extra"})
+        opt.register_load_state_dict_pre_hook(load_pre)
         opt.register_load_state_dict_post_hook(lambda o: calls.append(("load_post", o is opt)))
         m.w.sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-        saved = opt.state_dict()
-        assert saved["extra"] == 7
-        opt.load_state_dict(saved)  # the pre-hook strips "extra" before the inner load
-        assert calls == [("pre", True), ("post", True), ("sd_pre", True), ("load_post", True)]
         assert _value(m.w) == 0.0
+        opt.param_groups[0]["lr"] = 0.5
+        swap["sd"] = opt.state_dict()
+        opt.param_groups[0]["lr"] = 1.0
+        saved = opt.state_dict()
+        assert saved["extra"] == 7 and swap["sd"]["extra"] == 7
+        opt.load_state_dict(saved)  # the pre-hook hands back the lr 0.5 state instead
+        assert calls == [("pre", True), ("post", True), ("sd_pre", True), ("sd_pre", True),
+                         ("load_pre", True, 7), ("load_post", True)], calls
+        assert opt.param_groups[0]["lr"] == 0.5
+        m.w.sum().backward()
+        opt.step()
+        assert _value(m.w) == -0.5, (kind, _value(m.w))
     return "ok"
 
 
