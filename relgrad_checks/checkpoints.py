@@ -17,7 +17,8 @@ from comm_buffer import global_rank, register_main_grad_hooks
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import OPTIMIZERS, PIPE_SIZES, _data, _mlp, _mse, _pipe_layers, _strategy
+from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_moved, _data,
+                                   _main_grad_oracle, _mlp, _mse, _pipe_layers, _strategy)
 
 SIZES, BATCH = [20, 24, 4], 12
 VERSIONS = {1: DygraphShardingOptimizer, 2: DygraphShardingOptimizerV2}
@@ -114,26 +115,45 @@ def _save_on_rank0(obj, path):
     dist.barrier()
 
 
+def _bf16_reference(steps):
+    """bf16 with fp32 main grads and masters: one process summing the two replicas' main
+    grads as 2 sharding ranks do (`_main_grad_oracle`); its MixPrecisionOptimizer after
+    `steps` steps. Its masters all moved from the start."""
+    def batches(step):
+        x, y = (t.to(torch.bfloat16).chunk(2) for t in _data(step, BATCH, 20, 4))
+        return [[(x[r], y[r])] for r in range(2)]
+
+    _, traj, opt = _main_grad_oracle(lambda: _mlp(SIZES, seed=5).to(torch.bfloat16), "adam",
+                                     steps, batches)
+    _assert_moved([opt.state_dict()["masters"]],
+                  [p.detach().float() for p in _mlp(SIZES, seed=5).to(torch.bfloat16)
+                   .parameters()])
+    return opt
+
+
 def _check_consolidated(full, oracle_opt, bf16):
-    """The consolidated dict is torch's one-process format, close to the oracle's state."""
+    """The consolidated dict is torch's one-process format, equal to the oracle's state:
+    fp32 close to one process on the whole batch; bf16 bitwise equal (state and fp32
+    masters) to one process summing as the ranks do (`_bf16_reference`)."""
     want = oracle_opt.state_dict()
     want = want["inner"] if bf16 else want  # MixPrecision: the inner torch optimizer's
     assert sorted(full["state"]) == sorted(want["state"]) == [0, 1, 2, 3]
     assert [g["params"] for g in full["param_groups"]] == [[0, 1, 2, 3]]
     assert full["param_groups"][0]["lr"] == want["param_groups"][0]["lr"]
     for i, entries in want["state"].items():
-        assert entries.keys() == full["state"][i].keys()
+        assert entries.keys() == full["state"][i].keys() and len(entries) == 3  # Adam's
         for name, v in entries.items():
             assert full["state"][i][name].shape == v.shape
-            # bf16: the forward's rounding differs with the batch split; only the scale holds
-            atol = 0.1 * float(v.abs().max()) if bf16 else 1e-6
-            torch.testing.assert_close(full["state"][i][name], v, rtol=1e-4, atol=atol)
+            if bf16:
+                assert torch.equal(full["state"][i][name].float(), v.float()), (i, name)
+            else:
+                torch.testing.assert_close(full["state"][i][name], v, rtol=1e-4, atol=1e-6)
     if bf16:
         masters = oracle_opt.state_dict()["masters"]
-        assert sorted(full["master_weights"]) == [0, 1, 2, 3]
+        assert sorted(full["master_weights"]) == [0, 1, 2, 3] and len(masters) == 4
         for i, m in enumerate(masters):
             assert full["master_weights"][i].dtype == torch.float32
-            torch.testing.assert_close(full["master_weights"][i], m, rtol=0, atol=2e-3)
+            assert torch.equal(full["master_weights"][i], m), i
     else:
         assert "master_weights" not in full
 
@@ -154,7 +174,8 @@ def save_on_two(rank, world, folder):
             if not bf16:  # for load_on_three
                 torch.save(own, os.path.join(folder, f"own_v{version}_{rank}.pt"))
             if rank == 0:
-                _check_consolidated(saved["optim"], _one_process(2, bf16)[1], bf16)
+                _check_consolidated(saved["optim"], _bf16_reference(2) if bf16
+                                    else _one_process(2)[1], bf16)
             else:
                 assert saved["optim"] is None
             path = os.path.join(folder, f"two_v{version}{'_bf16' * bf16}.pt")

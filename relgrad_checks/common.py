@@ -125,9 +125,9 @@ def _main_grad_oracle(make_model, opt_name, steps, batches):
     same in any order, which is what makes the collective's sum exact here). Per replica the
     fp32 main grads of loss/acc accumulate micro-batch by micro-batch (as the main-grad hooks
     and the fused buffers do); the replicas' sums are added and scaled by 1/replicas (the
-    collective), then MixPrecisionOptimizer steps. Returns (losses, trajectory): per step
-    the per-replica sums of loss/acc (what a pipeline's train_batch returns), and the params
-    after each step."""
+    collective), then MixPrecisionOptimizer steps. Returns (losses, trajectory, optimizer):
+    per step the per-replica sums of loss/acc (what a pipeline's train_batch returns), the
+    params after each step, and the MixPrecisionOptimizer (masters and state after the last)."""
     model = make_model()
     params = list(model.parameters())
     assert params and all(p.dtype == torch.bfloat16 for p in params)
@@ -158,7 +158,7 @@ def _main_grad_oracle(make_model, opt_name, steps, batches):
             p.main_grad = None
         losses.append(step_losses)
         traj.append([p.detach().clone() for p in params])
-    return losses, traj
+    return losses, traj, opt
 
 
 def _pipe_batches(replicas, acc, mbs, dtype=torch.bfloat16):

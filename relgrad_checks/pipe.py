@@ -180,7 +180,7 @@ def _check_pipeline(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_
     replica = hcg.get_data_parallel_rank() * base.sharding_degree \
         + hcg.get_sharding_parallel_rank()
     if main_grad:
-        oracle_losses, oracle = _main_grad_oracle(
+        oracle_losses, oracle, _ = _main_grad_oracle(
             lambda: nn.Sequential(*_pipe_layers(dtype)), opt_name, steps,
             _pipe_batches(replicas, base.accumulate_steps, mbs, dtype))
         _assert_moved(oracle, [p.detach() for l in _pipe_layers(dtype) for p in l.parameters()])

@@ -231,7 +231,7 @@ def _check_main_grad_sharding(hcg, strategy):
             assert all(torch.equal(a, b) for a, b in zip(off, on))
         # one process summing the two halves' fp32 main grads as the collective does: the
         # same bits; its params all move (a sharded optimizer that never steps fails here)
-        _, oracle = _main_grad_oracle(
+        _, oracle, _ = _main_grad_oracle(
             lambda: _mlp([6, 16, 4]).to(torch.bfloat16), "adam", 3,
             lambda step: [[(x.bfloat16(), y.bfloat16())]
                           for x, y in zip(*(t.chunk(2) for t in _data(step, 8, 6, 4)))])
