@@ -177,3 +177,24 @@ def _assert_moved(traj, start):
     assert len(traj) > 0 and len(traj[-1]) == len(start) > 0, (len(traj), len(start))
     unmoved = [i for i, (a, b) in enumerate(zip(traj[-1], start)) if torch.equal(a, b)]
     assert not unmoved, f"params {unmoved} never moved"
+
+
+def _assert_same_state(opt, oracle_opt, index=None):
+    """The sharded `opt`'s whole state (consolidated on sharding rank 0: fp32 masters and the
+    inner optimizer's state) bitwise equal to `oracle_opt`'s (a MixPrecisionOptimizer over the
+    whole model; `index`: the positions of `opt`'s params in it, default all). The params
+    alone are bf16 and would hide a master that is off by less than half a bf16 step.
+    Collective over the sharding group."""
+    full = opt.consolidate_state_dict(to=0)
+    if full is None:
+        return
+    want = oracle_opt.state_dict()
+    index = list(range(len(want["masters"]))) if index is None else list(index)
+    assert len(index) > 0 and sorted(full["master_weights"]) == list(range(len(index)))
+    assert sorted(full["state"]) == list(range(len(index)))
+    for i, j in enumerate(index):
+        assert torch.equal(full["master_weights"][i], want["masters"][j]), ("master", j)
+        entries = want["inner"]["state"][j]
+        assert len(entries) > 0 and entries.keys() == full["state"][i].keys(), j
+        for name, value in entries.items():
+            assert torch.equal(full["state"][i][name].float(), value.float()), (name, j)

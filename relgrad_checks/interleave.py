@@ -13,8 +13,8 @@ from pipeline import PipelineParallel
 from relgrad_extras.interleave import PipelineParallelWithInterleave
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_moved, _data,
-                                   _main_grad_oracle, _mse, _pipe_batches, _pipe_layers,
+from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_moved, _assert_same_state,
+                                   _data, _main_grad_oracle, _mse, _pipe_batches, _pipe_layers,
                                    _released, _same_on_all, _strategy)
 from relgrad_checks.clipping import _tied_layers, _tied_oracle
 from relgrad_checks.pipe import _V1, _V2, _pipe_oracle, _spy_collectives
@@ -168,8 +168,9 @@ def _probe(collectives, release, fires_at):
 
 
 def _train(hcg, strategy, vpp, wrap, opt_name, dtype, main_grad, steps, mbs, probe=None,
-           bounds=None, clip=None):
-    """Losses and whole-model params after each step, trained with `vpp` virtual stages."""
+           bounds=None, clip=None, keep=None):
+    """Losses and whole-model params after each step, trained with `vpp` virtual stages;
+    `keep` (a dict), if given, gets the "model" and the "opt"."""
     layers = _tag_layers(dtype, main_grad)
     if vpp == 1:
         model = PipelineParallel(layers, hcg, strategy, _mse)
@@ -178,6 +179,8 @@ def _train(hcg, strategy, vpp, wrap, opt_name, dtype, main_grad, steps, mbs, pro
     opt = OPTIMIZERS[opt_name](model.parameters())
     if wrap:
         opt = wrap(opt, hcg, strategy)
+    if keep is not None:
+        keep.update(model=model, opt=opt)
     acc = strategy.accumulate_steps
     replicas = strategy.dp_degree * strategy.sharding_degree
     replica = hcg.get_data_parallel_rank() * strategy.sharding_degree \
@@ -199,7 +202,7 @@ def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad
     if main_grad:  # bitwise: one process summing the fp32 main grads in the ranks' order
         replica = hcg.get_data_parallel_rank() * base.sharding_degree \
             + hcg.get_sharding_parallel_rank()
-        oracle_losses, oracle, _ = _main_grad_oracle(
+        oracle_losses, oracle, oracle_opt = _main_grad_oracle(
             lambda: torch.nn.Sequential(*_pipe_layers(dtype)), opt_name, steps,
             _pipe_batches(replicas, base.accumulate_steps, mbs, dtype))
         _assert_moved(oracle, [p.detach() for l in _pipe_layers(dtype) for p in l.parameters()])
@@ -225,7 +228,12 @@ def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad
                 model_ref[0] = model
                 return probe(model, opt, data)
 
-            runs[release] = _train(hcg, strategy, 2, *args, probe=tracked, bounds=bounds)
+            keep = {}
+            runs[release] = _train(hcg, strategy, 2, *args, probe=tracked, bounds=bounds,
+                                   keep=keep)
+            if main_grad:  # this rank's fp32 masters and Adam's state too
+                _assert_same_state(keep["opt"], oracle_opt,
+                                   [p.whole_model_index for p in keep["model"].parameters()])
     finally:
         restore()
     assert sorted(runs) == [False, True] and len(plain[0]) == len(plain[1]) == steps

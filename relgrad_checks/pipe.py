@@ -14,9 +14,9 @@ from comm_buffer import FusedCommBuffer
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_moved, _data,
-                                   _main_grad_oracle, _mlp, _mse, _pipe_batches, _pipe_layers,
-                                   _released, _same_on_all, _strategy)
+from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_moved, _assert_same_state,
+                                   _data, _main_grad_oracle, _mlp, _mse, _pipe_batches,
+                                   _pipe_layers, _released, _same_on_all, _strategy)
 
 
 def _expected_1f1b(stages, stage, acc):
@@ -180,7 +180,7 @@ def _check_pipeline(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_
     replica = hcg.get_data_parallel_rank() * base.sharding_degree \
         + hcg.get_sharding_parallel_rank()
     if main_grad:
-        oracle_losses, oracle, _ = _main_grad_oracle(
+        oracle_losses, oracle, oracle_opt = _main_grad_oracle(
             lambda: nn.Sequential(*_pipe_layers(dtype)), opt_name, steps,
             _pipe_batches(replicas, base.accumulate_steps, mbs, dtype))
         _assert_moved(oracle, [p.detach() for l in _pipe_layers(dtype) for p in l.parameters()])
@@ -206,6 +206,9 @@ def _check_pipeline(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_
                                             main_grad, tracked)
             runs[release] = (losses, traj)
             part = _stage_slice(model, hcg)
+            if main_grad:  # this stage's fp32 masters and Adam's state too
+                _assert_same_state(model.optimizer, oracle_opt,
+                                   range(len(oracle[0]))[part])
             assert len(losses) == len(traj) == steps
             for loss, got, want_loss, want in zip(losses, traj, oracle_losses, oracle):
                 assert _same_on_all([loss], hcg.get_pipe_parallel_group())

@@ -13,8 +13,9 @@ from torch import nn
 from comm_buffer import register_main_grad_hooks
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import (OPTIMIZERS, _assert_moved, _data, _io, _main_grad_oracle, _mlp,
-                                   _oracle, _released, _same_on_all, _strategy)
+from relgrad_checks.common import (OPTIMIZERS, _assert_moved, _assert_same_state, _data, _io,
+                                   _main_grad_oracle, _mlp, _oracle, _released, _same_on_all,
+                                   _strategy)
 
 
 def _sharded(hcg, strategy, version, make_model, opt_name, steps, batch, set_to_none,
@@ -211,13 +212,13 @@ def _check_main_grad_sharding(hcg, strategy):
 
     for version in (1, 2):
         cls = DygraphShardingOptimizerV2 if version == 2 else DygraphShardingOptimizer
-        trajs = {}
+        trajs, opts = {}, {}
         for release in (False, True):
             st = copy.deepcopy(strategy)
             st.pp_configs.release_gradients = release
             model = make()
             opt = cls(OPTIMIZERS["adam"](model.parameters()), hcg, st)
-            trajs[release] = []
+            trajs[release], opts[release] = [], opt
             for step in range(3):
                 x, y = (t.chunk(2)[hcg.get_sharding_parallel_rank()].bfloat16()
                         for t in _data(step, 8, 6, 4))
@@ -231,7 +232,7 @@ def _check_main_grad_sharding(hcg, strategy):
             assert all(torch.equal(a, b) for a, b in zip(off, on))
         # one process summing the two halves' fp32 main grads as the collective does: the
         # same bits; its params all move (a sharded optimizer that never steps fails here)
-        _, oracle, _ = _main_grad_oracle(
+        _, oracle, oracle_opt = _main_grad_oracle(
             lambda: _mlp([6, 16, 4]).to(torch.bfloat16), "adam", 3,
             lambda step: [[(x.bfloat16(), y.bfloat16())]
                           for x, y in zip(*(t.chunk(2) for t in _data(step, 8, 6, 4)))])
@@ -240,6 +241,8 @@ def _check_main_grad_sharding(hcg, strategy):
         for got, want in zip(trajs[True], oracle):
             assert len(got) == len(want) > 0
             assert all(torch.equal(g, w) for g, w in zip(got, want)), version
+        for release in (False, True):  # the fp32 masters and Adam's state too
+            _assert_same_state(opts[release], oracle_opt)
 
 
 def _sharding_only(world, dp=1):
