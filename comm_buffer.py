@@ -161,7 +161,9 @@ def build_reduce_scatter_buffer(params, sharding_degree, rank, use_main_grad=Fal
 
 
 def flatten_dense_tensors(params):
-    """Offsets of an ALL_REDUCE / REDUCE bucket: the layout half of Paddle's `flatten_dense_tensors`.
+    """Offsets of an ALL_REDUCE / REDUCE bucket: the layout half of Paddle's
+    `flatten_dense_tensors` (tensor_fusion_helper.py), which also allocates the storage; here
+    `FusedCommBuffer` allocates it (lazily, with release).
 
     Each param's slot is its numel padded up to 256 bytes measured in the *param* dtype, also
     when the buffer holds fp32 main grads (bf16, 1000 elements: 2000 B + 48 B of padding, a slot

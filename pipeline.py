@@ -96,7 +96,8 @@ class PipelineParallel(nn.Module):
             copies start equal (broadcast from the first holder), their grads are summed over
             the holding stages after the schedule, before any dp / sharding collective reads
             them (with comm overlap, their buckets wait for that sum), so they stay equal;
-            see `relgrad_extras.shared_weights.SharedWeights` for the rules and the errors it raises.
+            see `relgrad_extras.shared_weights.SharedWeights` (copy `relgrad_extras/`; without
+            it, ties raise ImportError) for the rules and the errors it raises.
     Raises ValueError for boundaries that do not cover the layers, an overlap config that
     breaks Paddle's rules (dp_comm_overlap needs dp > 1 and pp > 1, sharding_comm_overlap
     needs sharding > 1 and pp > 1, not both), or pp_configs.num_virtual_pipeline_stages > 1

@@ -47,7 +47,12 @@ class PpConfig:
     enable_timer: bool = False  # 3: Paddle's pipeline timers; not implemented, must be False
     sharding_comm_overlap: bool = False  # 4: sharding reduce(-scatter) during backward
     profiling: bool = False  # 5: Paddle's profiler hooks; not implemented, must be False
-    release_gradients: bool = False  # 6, the seed's new field: free grad buffers after a step
+    # 6, the seed's new field: the fused grad buffers (the pipeline's with dp / sharding comm
+    # overlap; without a pipeline, v1 / v2's own) are allocated at a step's first grad check-in
+    # and freed after its optimizer step. The one switch under a pipeline; without one,
+    # sharding_configs.release_gradients does the same (the two are ORed for the sharding
+    # optimizers' own buffers; the pipeline's buffers read this flag alone).
+    release_gradients: bool = False
     # Not a proto field: Paddle passes it to `PipelineLayer(num_virtual_pipeline_stages=V)`
     # (read back by `get_num_virtual_stages()`); our pipeline takes a plain layer list, so the
     # strategy carries it. V > 1: model chunks per rank, for PipelineParallelWithInterleave.
@@ -68,9 +73,15 @@ class DygraphShardingConfig:
     """Paddle's `DygraphShardingConfig` message (the fields this reference uses)."""
 
     split_param: bool = False  # sharding v2: flat param shards (DygraphShardingOptimizerV2)
-    accumulate_steps: int = 1  # check-ins per step for v1/v2's own buffers (no pipeline)
+    # Backward passes (micro-batches) per step for v1 / v2's own buffers with comm_overlap (no
+    # pipeline): a bucket's collective fires at its params' last check-in. Not
+    # HybridStrategy.accumulate_steps, which is the pipeline's micro-batch count.
+    accumulate_steps: int = 1
     comm_overlap: bool = False  # sharding's own tensor-fusion overlap (hooks, no pipeline)
-    release_gradients: bool = False  # [later] field 8, PR #64517: ORed with pp_configs' flag
+    # [later] field 8, PR #64517: ORed with pp_configs.release_gradients for the sharding
+    # optimizers' own buffers; either one switches release on without a pipeline. Under
+    # pp_configs.sharding_comm_overlap the buffers are the pipeline's and follow the PP flag.
+    release_gradients: bool = False
     # [later] PaddleNLP #9081: free what a rank will not read once its bucket is reduced
     # (v2: all but its shard; v1: a non-owner's grads); needs release
     free_grads_in_comm: bool = False
@@ -92,7 +103,10 @@ class HybridStrategy:
     dp_degree: int = 1  # data-parallel replicas (outermost axis of the rank grid)
     pp_degree: int = 1  # pipeline stages
     sharding_degree: int = 1  # ZeRO-1 shards (innermost axis)
-    accumulate_steps: int = 1  # pipeline_configs.accumulate_steps: micro-batches per step
+    # pipeline_configs.accumulate_steps: micro-batches per train_batch (the pipeline divides
+    # each micro-batch's loss by it). Sharding's own overlap reads
+    # sharding_configs.accumulate_steps instead.
+    accumulate_steps: int = 1
     micro_batch_size: int = None  # pipeline_configs.micro_batch_size; None: batch / acc
     pp_configs: PpConfig = field(default_factory=PpConfig)
     sharding_configs: DygraphShardingConfig = field(default_factory=DygraphShardingConfig)

@@ -29,6 +29,7 @@ Rajbhandari et al., "ZeRO" (2020); torch's ZeroRedundancyOptimizer.
 """
 import importlib
 import inspect
+import math
 import weakref
 from collections import OrderedDict
 
@@ -948,6 +949,14 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
     def _setup(self, optimizer, hcg, strategy):
         pp_config = strategy.hybrid_configs["pp_configs"]
         sharding_config = strategy.hybrid_configs["sharding_configs"]
+        split = isinstance(self, DygraphShardingOptimizerV2)
+        if bool(sharding_config.split_param) != split:  # the same on every rank
+            use = "DygraphShardingOptimizerV2" if sharding_config.split_param else (
+                "DygraphShardingOptimizer")
+            raise ValueError(f"sharding_configs.split_param={sharding_config.split_param} "
+                             f"selects {use} (Paddle picks the class from this field), but "
+                             f"{type(self).__name__} was built; build {use}, or set "
+                             f"split_param={split}")
         self._hcg = hcg
         self._group = hcg.get_sharding_parallel_group()
         self._nranks = hcg.get_sharding_parallel_world_size()
@@ -967,6 +976,7 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         self._dp_sync = (hcg.get_data_parallel_world_size() > 1
                          and not pp_config.dp_comm_overlap)
         self._reduced = False  # grads reduced by a step() and not cleared since
+        self._grads_ready = False  # clip_grad_norm_ ran step()'s first half; step() next
         self._check_template(optimizer)
         self._setup_own_overlap(strategy)
 
@@ -1001,6 +1011,59 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
                                "Clear them after each step through the optimizer: "
                                "model.zero_grad() does not reset it")
         self._reduced = True
+
+    def _clip_grads(self):
+        """`grad_clip` (Paddle's: the constructor's) on `_clip_pairs()`, reduced and final."""
+        if self._grad_clip is not None:
+            self._grad_clip(self._clip_pairs(), norm_groups(self._hcg), self._flags_device())
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        """torch's `clip_grad_norm_`, called on the optimizer (as FSDP's `clip_grad_norm_`).
+
+        Call it after backward and before `step()`, on every rank of the sharding (and pipe)
+        group, with the same `max_norm`: it runs the first half of `step()` now (agree on the
+        grads, reduce / reduce-scatter, dp all-reduce), so that what each rank steps is
+        reduced; clips that by the global L2 norm over every rank (each element counted once,
+        fp32 squares, see `clip_grads_by_global_norm`) with torch's coefficient
+        `min(max_norm / (norm + 1e-6), 1)` (not Paddle's: a norm below `max_norm` leaves the
+        grads exactly as they are); and returns the norm. `step()` then goes straight to the
+        optimizer step: it does not reduce again. Beyond Paddle, which clips only through the
+        optimizer's `grad_clip`. Where the grads were read before the reduce (the habit
+        `torch.nn.utils.clip_grad_norm_(model.parameters())`), each rank would clip its own
+        un-reduced grads: use this instead.
+
+        Args:
+            max_norm: float > 0. norm_type: 2 only (the L2 norm). error_if_nonfinite: raise
+                if the norm is nan / inf. foreach: accepted for torch's signature, unused.
+        Returns the norm before clipping: a 0-d fp32 tensor on the grads' device, equal on
+        every rank.
+        Raises ValueError for a `max_norm` that is not a finite number > 0, `norm_type` other
+        than 2, or a `grad_clip` given to the constructor too (it would clip twice);
+        RuntimeError (on every rank: the norm is the same everywhere) for a non-finite norm
+        with `error_if_nonfinite`; and what `step()` raises for the grads (on every rank).
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
+                math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"clip_grad_norm_: max_norm must be a finite number > 0, got "
+                             f"{max_norm!r}; pass e.g. opt.clip_grad_norm_(1.0)")
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_: only norm_type=2 (the L2 norm) is supported "
+                             f"over sharded grads, got {norm_type!r}")
+        if self._grad_clip is not None:
+            raise ValueError(f"clip_grad_norm_ on an optimizer built with grad_clip="
+                             f"{self._grad_clip!r} would clip twice; use one of them")
+        if self._grads_ready:
+            raise RuntimeError("clip_grad_norm_ ran twice before step(); call it once per "
+                               "step, between backward and step()")
+        self._reduce_for_step()
+        self._grads_ready = True
+        norm = clip_grads_by_global_norm(self._clip_pairs(), max_norm, norm_groups(self._hcg),
+                                         self._flags_device(), coefficient="torch")
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"clip_grad_norm_: the total norm of the grads is {norm.item()}"
+                               ", non-finite; pass error_if_nonfinite=False to clip anyway")
+        return norm
 
     def _agree_grads(self, has_grad, rules):
         """Beyond Paddle: agree on every rank of the sharding (and dp) group, in one small
@@ -1141,8 +1204,24 @@ class DygraphShardingOptimizer(_Sharding):
     def step(self, closure=None):
         """Agree on grads -> reduce to owners -> dp all-reduce of owned grads -> step owned ->
         broadcast all. A param is stepped iff some rank has a grad for it (torch's rule).
+        After `clip_grad_norm_` the grads are reduced already: step() starts at the step.
         Raises ValueError as `_agree_grads` and `_check_step_args` say, on every rank."""
         self._check_step_args(closure)
+        if not self._grads_ready:
+            self._reduce_for_step()
+            self._clip_grads()
+        self._grads_ready = False
+        self._inner_opt.step()
+        # _sharding_sync_parameters: every param from its owner
+        works = [dist.broadcast(p.detach(), src=global_rank(self._group, self._param2rank[p]),
+                                group=self._group, async_op=True)
+                 for p in self._parameter_list]
+        for work in works:
+            work.wait()
+
+    def _reduce_for_step(self):
+        """The first half of `step()` (also run by `clip_grad_norm_`): agree, reduce to the
+        owners, dp all-reduce. The owned grads are reduced and final afterwards."""
         anywhere = self._agree_grads(self._has_grad(), [])
         for p, some_rank in zip(self._parameter_list, anywhere):
             if not some_rank:  # a zeroed grad nobody wrote: not stepped (torch: None)
@@ -1153,15 +1232,6 @@ class DygraphShardingOptimizer(_Sharding):
         if self._dp_sync:  # the same grads on every dp rank: agreed above
             all_reduce_mean([_grad(p) for p in owned if _grad(p) is not None],
                             self._hcg.get_data_parallel_group())
-        # The owned grads are reduced and final here (where a grad clip reads them).
-        self._clip_grads()
-        self._inner_opt.step()
-        # _sharding_sync_parameters: every param from its owner
-        works = [dist.broadcast(p.detach(), src=global_rank(self._group, self._param2rank[p]),
-                                group=self._group, async_op=True)
-                 for p in self._parameter_list]
-        for work in works:
-            work.wait()
 
     @torch.no_grad()
     def clear_grad(self, set_to_zero=True):
@@ -1175,7 +1245,7 @@ class DygraphShardingOptimizer(_Sharding):
         if (not set_to_zero and (self.pp_overlap or self.comm_overlap)
                 and not self._buffers_released):
             raise ValueError(_ERASE_MSG)
-        self._reduced = False
+        self._reduced = self._grads_ready = False
         for p in self._parameter_list:
             _clear(p, set_to_zero)
         if self.pp_release_grads:
@@ -1194,13 +1264,10 @@ class DygraphShardingOptimizer(_Sharding):
         return [(g := _grad(p)) is not None and self._zeroed.get(id(p)) != (id(g), g._version)
                 for p in self._parameter_list]
 
-    def _clip_grads(self):
-        """grad_clip on the grads this rank owns, reduced (Paddle: the inner optimizer's
+    def _clip_pairs(self):
+        """What a clip reads: the grads this rank owns, reduced (Paddle: the inner optimizer's
         params_grads); a rank that owns nothing still joins the norm's all-reduces."""
-        if self._grad_clip is None:
-            return
-        pairs = [(p, _grad(p)) for p in self._parameter_list if self._param2rank[p] == self._rank]
-        self._grad_clip(pairs, norm_groups(self._hcg), self._parameter_list[0].device)
+        return [(p, _grad(p)) for p in self._parameter_list if self._param2rank[p] == self._rank]
 
 
 # Optimizers whose update of an element reads only that element's grad and state: the same
@@ -1308,15 +1375,19 @@ class DygraphShardingOptimizerV2(_Sharding):
         `_clear_dataptr` on `_slice_grad` frees them; in torch a stale view would keep the
         freed buffer alive.
         """
+        # Seed hunk: the "should not erase grad buffer" assert holds only with release off.
+        # (Under pipeline overlap the pipeline's buffers follow the PP flag alone.)
         if not self._buffers_released and not set_to_zero:
             raise ValueError(_ERASE_MSG)
-        self._reduced = False
+        self._reduced = self._grads_ready = False
         self._produced.clear()
         for p in self._parameter_list:
             _clear(p, set_to_zero)
         if self.pp_release_grads:
             for slice_param in self._slice_params.values():
                 _clear(slice_param, set_to_zero=False)
+        # Seed hunk: with release and no pipeline overlap, free v2's own grad buffers here
+        # (under overlap the pipeline's _optimizer_step frees its buffers).
         if self.pp_release_grads and not self.pp_overlap:
             for comm_buffer in self._comm_buffer_list:
                 comm_buffer._clear_grad_storage()
@@ -1388,8 +1459,20 @@ class DygraphShardingOptimizerV2(_Sharding):
     def step(self, closure=None):
         """Agree on grads and misuse -> reduce-scatter -> bind slices -> dp all-reduce of
         slice grads -> step -> all-gather. A param is stepped iff some rank produced a grad for
-        it since the last clear_grad (backward reached it, or a grad was assigned)."""
+        it since the last clear_grad (backward reached it, or a grad was assigned). After
+        `clip_grad_norm_` the grads are reduced already: step() starts at the step."""
         self._check_step_args(closure)
+        if not self._grads_ready:
+            self._reduce_for_step()
+            self._clip_grads()
+        self._grads_ready = False
+        self._inner_opt.step()
+        for comm_buffer in self._comm_buffer_list:  # _sharding_sync_parameters
+            comm_buffer.sync_params()
+
+    def _reduce_for_step(self):
+        """The first half of `step()` (also run by `clip_grad_norm_`): agree, reduce-scatter,
+        bind the slices, dp all-reduce. The slice grads are reduced and final afterwards."""
         self._collect_comm_buffers()
         rules = self._misuse_rules()
         anywhere = self._agree_grads(self._has_grad(), rules)
@@ -1408,11 +1491,6 @@ class DygraphShardingOptimizerV2(_Sharding):
             grads = [_grad(s) for s in self._slice_params.values()]
             all_reduce_mean([g for g in grads if g is not None],
                             self._hcg.get_data_parallel_group())
-        # The slice grads are reduced and final here (where a grad clip reads them).
-        self._clip_grads()
-        self._inner_opt.step()
-        for comm_buffer in self._comm_buffer_list:  # _sharding_sync_parameters
-            comm_buffer.sync_params()
 
     def _has_grad(self):
         """Per param: this rank produced a grad since the last clear_grad."""
@@ -1459,11 +1537,9 @@ class DygraphShardingOptimizerV2(_Sharding):
                 (_UNFROZEN_MSG, ", ".join(unfrozen) or None),
                 (_MAIN_GRAD_MSG, ", ".join(main_grad) or None)]
 
-    def _clip_grads(self):
-        """grad_clip on this rank's slice grads, padding left out (it is zero, and not the
-        model's): a slice may end in its param's padding (see ShardingGradView)."""
-        if self._grad_clip is None:
-            return
+    def _clip_pairs(self):
+        """What a clip reads: this rank's slice grads, padding left out (it is zero, and not
+        the model's): a slice may end in its param's padding (see ShardingGradView)."""
         pairs = []
         for comm_buffer in self._comm_buffer_list:
             for param, view in comm_buffer._sharding_param_grad_view.items():
@@ -1471,4 +1547,4 @@ class DygraphShardingOptimizerV2(_Sharding):
                 if grad is not None:
                     valid = min(view._param_end, view._index + param.numel()) - view._param_begin
                     pairs.append((param, grad[:valid]))  # param: need_clip, is_firstly_shared
-        self._grad_clip(pairs, norm_groups(self._hcg), self._parameter_list[0].device)
+        return pairs

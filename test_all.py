@@ -27,8 +27,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import comm_buffer
-from relgrad_checks import (checkpoints, clipping, contract, demo_peers, fused_buffer, interleave,
-                    pipe, sharding_overlap, zero)
+from relgrad_checks import (checkpoints, clipping, contract, demo_peers, fused_buffer,
+                            interleave, loops, pipe, recipes, sharding_overlap, zero)
 from relgrad_demo.memory import live_grad_bytes
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch)
@@ -760,3 +760,163 @@ def test_live_grad_bytes():
     model.weight.grad = buffer.grad_storage[:100].view(10, 10)  # a view: same storage
     model.bias.grad = torch.zeros(10)
     assert live_grad_bytes(model, opt, [buffer]) == 4000 + 40
+
+
+# ---------------------------------------------------------------- README recipes, copied
+
+def _recipe(name):
+    found = recipes.readme_recipes()
+    assert set(found) == {"a", "b", "c", "d"}, f"README recipes: {sorted(found)}"
+    return found[name]
+
+
+def _assert_params(got, want, atol=1e-6):
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=0, atol=atol)
+
+
+def _moved(params, start, at_least=1e-3):
+    """The run trained: some param moved by more than `at_least` from the start."""
+    assert len(params) == len(start) > 0
+    assert max((p - s).abs().max().item() for p, s in zip(params, start)) > at_least
+
+
+def test_recipe_dp_fused_buffer(tmp_path):
+    """Check that README recipe (a), comm_buffer.py alone on 2 ranks, equals one process."""
+    files, source = _recipe("a")
+    assert files == ["comm_buffer.py"]
+    codes, outputs, params = recipes.run_recipe(tmp_path, files, source, world=2)
+    assert codes == [0, 0], outputs
+    want = recipes.reference(recipes._mlp(), range(6), rows=16)
+    _moved(want, [p.detach() for p in recipes._mlp().parameters()])
+    for rank_params in params:
+        _assert_params(rank_params, want)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_recipe_zero(tmp_path, split):
+    """Check that README recipe (b), ZeRO-1 v2 / v1 with release, overlap, 4 micro-batches,
+    clip_grad_norm_, an LR scheduler and a per-rank resume, equals one process."""
+    files, source = _recipe("b")
+    assert sorted(files) == ["comm_buffer.py", "relgrad.py", "sharding.py"]
+    assert "ACC, SPLIT = dist.get_rank(), dist.get_world_size(), 4, True" in source
+    source = source.replace("ACC, SPLIT = dist.get_rank(), dist.get_world_size(), 4, True",
+                            f"ACC, SPLIT = dist.get_rank(), dist.get_world_size(), 4, {split}")
+    assert f", 4, {split}" in source
+    codes, outputs, params = recipes.run_recipe(tmp_path, files, source, world=2)
+    assert codes == [0, 0], outputs
+    assert sorted(p.name for p in tmp_path.glob("ckpt_rank*.pt")) == ["ckpt_rank0.pt",
+                                                                       "ckpt_rank1.pt"]
+    want = recipes.reference(recipes._mlp(), range(6), rows=16, sched=True, clip=1.0)
+    _moved(want, [p.detach() for p in recipes._mlp().parameters()])
+    for rank_params in params:
+        _assert_params(rank_params, want)
+
+
+def test_recipe_pipeline_sharding(tmp_path):
+    """Check that README recipe (c), pp 2 x sharding 2 v2 with release on 4 ranks, equals one
+    process (stage 0's params then stage 1's are the model's)."""
+    files, source = _recipe("c")
+    assert sorted(files) == ["comm_buffer.py", "pipeline.py", "relgrad.py", "sharding.py"]
+    codes, outputs, params = recipes.run_recipe(tmp_path, files, source, world=4)
+    assert codes == [0] * 4, outputs
+    model = recipes.pipeline_model()
+    start = [p.detach().clone() for p in model.parameters()]
+    want = recipes.reference(model, range(6), rows=16, sched=True)
+    _moved(want, start)
+    # rank = stage * 2 + sharding rank: each stage's two sharding ranks hold equal params
+    for stage in (0, 1):
+        _assert_params(params[2 * stage + 1], params[2 * stage], atol=0)
+    _assert_params(params[0] + params[2], want)
+
+
+def test_recipe_extras(tmp_path):
+    """Check that README recipe (d), Paddle's clip as grad_clip= and a consolidated checkpoint
+    resumed by plain AdamW in one process, equals one process throughout."""
+    files, source = _recipe("d")
+    assert sorted(files) == ["comm_buffer.py", "relgrad.py", "relgrad_extras", "sharding.py"]
+    codes, outputs, params = recipes.run_recipe(tmp_path, files, source, world=2)
+    assert codes == [0, 0], outputs
+    model = recipes._mlp()
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(6):
+        x, y = recipes._batch(step, 16)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if step < 3:  # Paddle's coefficient: 0.5 / (max(norm, 0.5) + 1e-6)
+            norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt()
+            for p in model.parameters():
+                p.grad.mul_(0.5 / (torch.maximum(norm, torch.tensor(0.5)) + 1e-6))
+        opt.step()
+        opt.zero_grad()
+        if step == 2:
+            after_3 = [p.detach().clone() for p in model.parameters()]
+    want = [p.detach().clone() for p in model.parameters()]
+    _moved(want, after_3)
+    _assert_params(params[1], after_3)  # rank 1 stopped after the distributed steps
+    _assert_params(params[0], want)
+
+
+def test_recipe_without_extras_names_the_folder(tmp_path):
+    """Check that recipe (d) copied without relgrad_extras/ fails on every rank with an
+    ImportError that names the folder, before any rank waits on another."""
+    files, source = _recipe("d")
+    source = source.replace("from relgrad_extras.grad_clip import ClipGradByGlobalNorm\n", "")
+    source = source.replace("grad_clip=ClipGradByGlobalNorm(0.5)", "grad_clip=None")
+    assert "relgrad_extras" not in source
+    codes, outputs, _ = recipes.run_recipe(
+        tmp_path, [f for f in files if f != "relgrad_extras"], source, world=2, timeout=60,
+        save=False)
+    assert len(codes) == 2 and all(code not in (0, None) for code in codes), outputs
+    for out in outputs:
+        assert "ImportError" in out and "copy the folder relgrad_extras/" in out, out
+
+
+# ---------------------------------------------------------------- the torch loop around sharding
+
+def test_loop_orders_free_before_forward(ranks):
+    """Check that with release, in both loop orders (zero_grad after step() or at the top), v1 /
+    v2, own overlap on / off, acc 1 / 4, no buffer holds storage and no grad exists when a
+    step's forward starts, grads stay readable after step() until zero_grad, and the params
+    equal one process."""
+    (results, oracle), _ = ranks(2).run(loops.loop_orders)
+    assert len(results) == 16
+    for (version, overlap, acc, order), (held, at_fwd, after, params, n) in results.items():
+        case = (version, overlap, acc, order)
+        assert len(held) == loops.STEPS
+        assert (n == 0) if version == 1 and not overlap else (n >= 1), case  # v1 alone: none
+        assert all(len(h) == n for h in held), case
+        assert not any(any(h) for h in held), (case, held)
+        assert at_fwd == [False] * loops.STEPS, case
+        assert after == [True] * loops.STEPS, case
+        assert len(params) == len(oracle) > 0
+        for got, want in zip(params, oracle):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_clip_grad_norm_like_torch(ranks):
+    """Check that opt.clip_grad_norm_(c) before step() equals one-process
+    torch.nn.utils.clip_grad_norm_ + step (params and returned norms), v1 / v2, own overlap on
+    / off, acc 1 / 4, c below and above the norm."""
+    (results, oracles), _ = ranks(2).run(loops.clip_grad_norm)
+    assert len(results) == 16
+    for (clip, version, overlap, acc), (params, norms) in results.items():
+        want_params, want_norms = oracles[clip]
+        assert len(norms) == len(want_norms) == loops.STEPS
+        for got, want in zip(norms, want_norms):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        assert len(params) == len(want_params) > 0
+        for got, want in zip(params, want_params):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # the small clip bites: its trajectory differs from the unclipped one by far more than atol
+    small, large = oracles[0.05][0], oracles[100.0][0]
+    assert max((a - b).abs().max().item() for a, b in zip(small, large)) > 1e-3
+    assert all(n.item() > 0.05 for n in oracles[0.05][1])
+
+
+def test_clip_grad_norm_misuse(ranks):
+    """Check that clip_grad_norm_ with a bad max_norm or norm_type, twice before a step, or
+    beside grad_clip= raises a clear error on every rank, and the optimizer steps afterwards."""
+    assert ranks(2).run(loops.clip_grad_norm_misuse) == [True, True]

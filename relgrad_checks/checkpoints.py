@@ -17,7 +17,7 @@ from comm_buffer import global_rank, register_main_grad_hooks
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_moved, _data,
+from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_moved, _data,
                                    _main_grad_oracle, _mlp, _mse, _pipe_layers, _strategy)
 
 SIZES, BATCH = [20, 24, 4], 12
@@ -53,7 +53,8 @@ def _sharded(version, topology, bf16=False):
     """A model and its v1 / v2 optimizer on this rank; (replicas, this replica's index)."""
     hcg, strategy = topology
     model = _model(bf16)
-    opt = VERSIONS[version](OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
+    opt = VERSIONS[version](OPTIMIZERS["adam"](model.parameters()),
+                            hcg, _for(VERSIONS[version], strategy))
     sharding = strategy.sharding_degree
     replica = hcg.get_data_parallel_rank() * sharding + hcg.get_sharding_parallel_rank()
     return model, opt, (strategy.dp_degree * sharding, replica)
@@ -265,7 +266,8 @@ def pipeline_resume(rank, world):
 
         def build():
             model = PipelineParallel(_pipe_layers(), hcg, strategy, _mse)
-            opt = VERSIONS[version](OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
+            opt = VERSIONS[version](OPTIMIZERS["adam"](model.parameters()),
+                                    hcg, _for(VERSIONS[version], strategy))
             return model, opt
 
         def train(model, opt, steps):

@@ -11,7 +11,7 @@ from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from relgrad_checks.common import _data, _mse, _same_on_all, _strategy
+from relgrad_checks.common import _for, _data, _mse, _same_on_all, _strategy
 
 _VERSIONS = {1: DygraphShardingOptimizer, 2: DygraphShardingOptimizerV2}
 
@@ -103,7 +103,8 @@ def clip_global_norm(rank, world, steps=3, clip=1.0, lr=0.1):
         grad_clip = ClipGradByGlobalNorm(clip)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         if version:
-            opt = _VERSIONS[version](opt, hcg, strategy, grad_clip=grad_clip)
+            opt = _VERSIONS[version](opt,
+                                     hcg, _for(_VERSIONS[version], strategy), grad_clip=grad_clip)
             if version == 1:
                 assert set(opt._param2rank.values()) == {0}  # sharding rank 1 owns nothing
         replica = hcg.get_data_parallel_rank() + hcg.get_sharding_parallel_rank()
@@ -129,8 +130,8 @@ def clip_global_norm(rank, world, steps=3, clip=1.0, lr=0.1):
             with pytest.raises(ValueError, match="clips in its own step"):
                 model.train_batch((x, x), opt, grad_clip=grad_clip)
             with pytest.raises(TypeError, match="grad_clip must be None or"):
-                _VERSIONS[1](torch.optim.SGD(model.parameters(), lr=lr), hcg, strategy,
-                             grad_clip=torch.nn.utils.clip_grad_norm_)
+                _VERSIONS[1](torch.optim.SGD(model.parameters(), lr=lr), hcg,
+                             _for(_VERSIONS[1], strategy), grad_clip=torch.nn.utils.clip_grad_norm_)
         runs[kind, version, overlap, release] = norms + traj
     for (kind, version, overlap, release), values in runs.items():
         if release and (kind, version, overlap, False) in runs:
@@ -195,7 +196,8 @@ def tied_weights(rank, world, steps=3, clip=0.05):
         grad_clip = ClipGradByGlobalNorm(clip)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         if version:
-            opt = _VERSIONS[version](opt, hcg, strategy, grad_clip=grad_clip)
+            opt = _VERSIONS[version](opt,
+                                     hcg, _for(_VERSIONS[version], strategy), grad_clip=grad_clip)
         if version == 1:  # different owners on the two stages
             assert opt._param2rank[tied] == stage
         traj = []

@@ -12,7 +12,7 @@ from torch import nn
 
 from comm_buffer import HOOK_ACTION, register_main_grad_hooks
 from relgrad import DygraphShardingConfig, HybridStrategy, PpConfig
-from sharding import MixPrecisionOptimizer
+from sharding import DygraphShardingOptimizerV2, MixPrecisionOptimizer
 
 ACTIONS = (HOOK_ACTION.ALL_REDUCE, HOOK_ACTION.REDUCE, HOOK_ACTION.REDUCE_SCATTER)
 
@@ -116,6 +116,13 @@ def _pipe_layers(dtype=torch.float32, main_grad=False):
 def _mse(out, y):
     return F.mse_loss(out.float(), y.float())
 
+
+
+def _for(cls, strategy):
+    """`strategy` with sharding_configs.split_param as the sharding class `cls` needs (Paddle
+    picks v1 or v2 from that field; the classes refuse the other value)."""
+    strategy.sharding_configs.split_param = issubclass(cls, DygraphShardingOptimizerV2)
+    return strategy
 
 
 def _main_grad_oracle(make_model, opt_name, steps, batches):

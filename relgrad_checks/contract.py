@@ -15,7 +15,7 @@ from comm_buffer import register_main_grad_hooks
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import _data, _mlp, _oracle, _same_on_all, _strategy, OPTIMIZERS
+from relgrad_checks.common import _for, _data, _mlp, _oracle, _same_on_all, _strategy, OPTIMIZERS
 
 V1, V2 = DygraphShardingOptimizer, DygraphShardingOptimizerV2
 
@@ -35,7 +35,7 @@ def _groups(world, dp=1, release=False):
 
 
 def _wrap(kind, opt, hcg, strategy):
-    return MixPrecisionOptimizer(opt) if kind == "mix" else kind(opt, hcg, strategy)
+    return MixPrecisionOptimizer(opt) if kind == "mix" else kind(opt, hcg, _for(kind, strategy))
 
 
 def _value(p):
@@ -123,7 +123,7 @@ def add_param_group(rank, world):
     hcg, strategy = _groups(world)
     for release, st in _both_releases(hcg, strategy):
         m = _Params(a=1.0, b=1.0)
-        opt = V1(torch.optim.SGD([m.a], lr=1.0), hcg, st)
+        opt = V1(torch.optim.SGD([m.a], lr=1.0), hcg, _for(V1, st))
         opt.add_param_group({"params": [m.b]})
         assert len(opt.param_groups) == 2  # on every rank, owner or not
         (m.b * (1 if rank == 0 else 3)).sum().backward()
@@ -134,7 +134,7 @@ def add_param_group(rank, world):
         with pytest.raises(ValueError, match="already in the optimizer"):
             opt.add_param_group({"params": [m.a]})
         m = _Params(a=1.0, b=1.0)
-        opt = V2(torch.optim.SGD([m.a], lr=1.0), hcg, st)
+        opt = V2(torch.optim.SGD([m.a], lr=1.0), hcg, _for(V2, st))
         with pytest.raises(ValueError, match="build the torch optimizer with every group"):
             opt.add_param_group({"params": [m.b]})
     m = _Params(torch.bfloat16, a=1.0, b=1.0)
@@ -194,7 +194,7 @@ def grad_on_some_ranks(rank, world, dp=1):
     for kind in (V1, V2):
         for release, st in _both_releases(hcg, strategy):
             m = _Params(a=1.0, b=1.0, c=1.0)
-            opt = kind(torch.optim.SGD(m.parameters(), lr=1.0), hcg, st)
+            opt = kind(torch.optim.SGD(m.parameters(), lr=1.0), hcg, _for(kind, st))
             k = 2 * rank + 1
             loss = m.a * k + (m.b * k if rank != world - 1 else 0)  # c: no grad anywhere
             loss.sum().backward()
@@ -249,11 +249,11 @@ def v2_model_moved(rank, world):
     oracle = _oracle(lambda: _mlp([6, 16, 4]), "sgd", 3, 8)
     for release, st in _both_releases(hcg, strategy):
         model = _mlp([6, 16, 4])
-        opt = V2(OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+        opt = V2(OPTIMIZERS["sgd"](model.parameters()), hcg, _for(V2, st))
         model.to(torch.float64).to(torch.float32)
         _assert_oracle(_train(model, opt, hcg, set_to_none=release), oracle)
         model = _mlp([6, 16, 4])
-        opt = V2(OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+        opt = V2(OPTIMIZERS["sgd"](model.parameters()), hcg, _for(V2, st))
         model.to(torch.float64)
         F.mse_loss(model(_data(0, 8, 6, 4)[0].double()), torch.zeros(8, 4).double()).backward()
         with pytest.raises(ValueError, match="dtype or device"):
@@ -270,7 +270,7 @@ def unfrozen_param(rank, world):
         for kind in (V1, V2):
             model = _mlp([6, 16, 4])
             model[2].requires_grad_(False)
-            opt = kind(OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+            opt = kind(OPTIMIZERS["sgd"](model.parameters()), hcg, _for(kind, st))
             model[2].requires_grad_(True)
             if kind is V1:
                 _assert_oracle(_train(model, opt, hcg, set_to_none=release), oracle)
@@ -289,9 +289,9 @@ def main_grad_some_layers(rank, world):
         model = _mlp([6, 16, 4]).to(torch.bfloat16)
         register_main_grad_hooks(model[0].parameters())
         with pytest.raises(ValueError, match="have no main_grad while others do"):
-            V2(OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+            V2(OPTIMIZERS["sgd"](model.parameters()), hcg, _for(V2, st))
         model = _mlp([6, 16, 4]).to(torch.bfloat16)
-        opt = V2(OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+        opt = V2(OPTIMIZERS["sgd"](model.parameters()), hcg, _for(V2, st))
         register_main_grad_hooks(model[0].parameters())
         model(torch.ones(2, 6, dtype=torch.bfloat16)).float().sum().backward()
         with pytest.raises(ValueError, match="main_grad does not match its bucket"):
@@ -306,13 +306,13 @@ def zero_grad_before_step(rank, world):
     for release, st in _both_releases(hcg, strategy):
         for kind in (V1, V2):
             model = _mlp([6, 16, 4])
-            opt = kind(OPTIMIZERS["adam"](model.parameters()), hcg, st)
+            opt = kind(OPTIMIZERS["adam"](model.parameters()), hcg, _for(kind, st))
             F.mse_loss(model(torch.ones(2, 6)), torch.zeros(2, 4)).backward()
             opt.zero_grad(set_to_none=release)
             with pytest.raises(ValueError, match="did zero_grad\\(\\) run between backward"):
                 opt.step()
             model = _mlp([6, 16, 4])
-            opt = kind(OPTIMIZERS["adam"](model.parameters()), hcg, st)
+            opt = kind(OPTIMIZERS["adam"](model.parameters()), hcg, _for(kind, st))
             model.load_state_dict(_mlp([6, 16, 4], seed=1).state_dict(), assign=True)
             F.mse_loss(model(torch.ones(2, 6)), torch.zeros(2, 4)).backward()
             with pytest.raises(ValueError, match="assign=True"):
@@ -345,7 +345,7 @@ def no_grad_not_stepped(rank, world):
         for release, st in _both_releases(hcg, strategy):
             model = make()
             start = [p.detach().clone() for p in model[1].parameters()]
-            trajs[release] = run(model, kind(adamw(model.parameters()), hcg, st),
+            trajs[release] = run(model, kind(adamw(model.parameters()), hcg, _for(kind, st)),
                                  world, rank)
             assert all(torch.equal(a, b) for a, b in zip(start, model[1].parameters()))
         for off, on in zip(trajs[False], trajs[True]):
@@ -402,7 +402,7 @@ def stateful_template(rank, world):
     assert (_value(model.a), _value(model.b)) == (_value(ref.a), _value(ref.b))
     assert mix.state_dict()["inner"]["state"][0]["step"].item() == 2
     with pytest.raises(ValueError, match="needs an element-wise optimizer.*got Adafactor"):
-        V2(torch.optim.Adafactor(_Params(a=1.0).parameters()), hcg, strategy)
+        V2(torch.optim.Adafactor(_Params(a=1.0).parameters()), hcg, _for(V2, strategy))
 
     class Lamb(torch.optim.AdamW):  # a per-tensor trust ratio: wrong on flat slices
         @torch.no_grad()
@@ -413,12 +413,12 @@ def stateful_template(rank, world):
         pass
 
     with pytest.raises(ValueError, match="needs an element-wise optimizer.*got Lamb"):
-        V2(Lamb(_Params(a=1.0).parameters()), hcg, strategy)
-    V2(Quiet(_Params(a=1.0).parameters()), hcg, strategy)
+        V2(Lamb(_Params(a=1.0).parameters()), hcg, _for(V2, strategy))
+    V2(Quiet(_Params(a=1.0).parameters()), hcg, _for(V2, strategy))
     # Adagrad builds its state when constructed: that is no "state" to drop; v1 trains it as
     # one process does (a = 1 - 0.5 * 3 / sqrt(9) = 0.5 after one step, b likewise 1.5)
     model = _Params(a=1.0, b=2.0)
-    v1 = V1(torch.optim.Adagrad(model.parameters(), lr=0.5), hcg, strategy)
+    v1 = V1(torch.optim.Adagrad(model.parameters(), lr=0.5), hcg, _for(V1, strategy))
     (model.a * 3 + model.b).sum().backward()
     v1.step()
     assert (_value(model.a), _value(model.b)) == (0.5, 1.5)

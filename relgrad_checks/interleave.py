@@ -13,7 +13,7 @@ from pipeline import PipelineParallel
 from relgrad_extras.interleave import PipelineParallelWithInterleave
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_moved, _assert_same_state,
+from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_moved, _assert_same_state,
                                    _data, _main_grad_oracle, _mse, _pipe_batches, _pipe_layers,
                                    _released, _same_on_all, _strategy)
 from relgrad_checks.clipping import _tied_layers, _tied_oracle
@@ -364,7 +364,7 @@ def tied_weights(rank, world, steps=3, clip=0.05):
         grad_clip = ClipGradByGlobalNorm(clip)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         cls = DygraphShardingOptimizerV2 if version == 2 else DygraphShardingOptimizer
-        opt = cls(opt, hcg, strategy, grad_clip=grad_clip)
+        opt = cls(opt, hcg, _for(cls, strategy), grad_clip=grad_clip)
         for step in range(steps):
             x, y = (t.chunk(2)[replica] for t in _data(step, batch, 8, 8))
             model.train_batch((x, y), opt)

@@ -14,7 +14,7 @@ from comm_buffer import FusedCommBuffer
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_moved, _assert_same_state,
+from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_moved, _assert_same_state,
                                    _data, _main_grad_oracle, _mlp, _mse, _pipe_batches,
                                    _pipe_layers, _released, _same_on_all, _strategy)
 
@@ -230,8 +230,9 @@ def _check_pipeline(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_
     assert all(torch.equal(a, b) for s_off, s_on in zip(t_off, t_on) for a, b in zip(s_off, s_on))
 
 
-_V1 = lambda opt, hcg, st: DygraphShardingOptimizer(opt, hcg, st)
-_V2 = lambda opt, hcg, st: DygraphShardingOptimizerV2(opt, hcg, st)
+_V1 = lambda opt, hcg, st: DygraphShardingOptimizer(opt, hcg, _for(DygraphShardingOptimizer, st))
+_V2 = lambda opt, hcg, st: DygraphShardingOptimizerV2(opt,
+                                                      hcg, _for(DygraphShardingOptimizerV2, st))
 
 
 def pp_sharding(rank, world, version, opt_name="adam", main_grad=False, overlap=True):

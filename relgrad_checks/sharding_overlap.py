@@ -13,8 +13,8 @@ from comm_buffer import HOOK_ACTION, FusedCommBuffer
 from pipeline import PipelineParallel
 from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _data, _io, _mlp, _mse, _oracle,
-                           _pipe_layers, _released, _same_on_all)
+from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _data, _io, _mlp, _mse, _oracle,
+                                   _pipe_layers, _released, _same_on_all)
 
 
 class _SmallBucketsV2(DygraphShardingOptimizerV2):
@@ -100,7 +100,8 @@ def _train_own(hcg, version, strategy, steps=3, batch=24, watch=None, free=False
     acc = strategy.sharding_configs.accumulate_steps
     overlap = strategy.sharding_configs.comm_overlap
     model = _mlp([6, 16, 4])
-    opt = _CLASSES[version](OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
+    opt = _CLASSES[version](OPTIMIZERS["adam"](model.parameters()),
+                            hcg, _for(_CLASSES[version], strategy))
     buffers = opt._own_buffers()
     if watch is not None:
         for buf in buffers:
@@ -183,7 +184,7 @@ def _check_one_allocation_per_bucket(hcg, version, world):
     check-in in the first backward; step() neither allocates nor copies."""
     st = _own_strategy(world, 2, True)
     model = _mlp([6, 16, 4])
-    opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+    opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()), hcg, _for(_CLASSES[version], st))
     buffers = opt._own_buffers()
     assert len(buffers) >= 2
     for step in range(3):
@@ -210,7 +211,8 @@ def _check_own_overlap_misuse(hcg, version, world):
     for release in (False, True):
         st = _own_strategy(world, 2, release)
         model = nn.ModuleList([_mlp([6, 16, 4]), nn.Linear(3, 3)])  # [1] is never called
-        opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+        opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()),
+                                hcg, _for(_CLASSES[version], st))
         x, y = _data(0, 8, 6, 4)
         for _ in range(2):
             F.mse_loss(model[0](x), y).backward()
@@ -219,7 +221,8 @@ def _check_own_overlap_misuse(hcg, version, world):
         assert _same_on_all([torch.ones(3)])
 
         model = _mlp([6, 16, 4])
-        opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+        opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()),
+                                hcg, _for(_CLASSES[version], st))
         F.mse_loss(model(x), y).backward()  # 1 of 2 micro-batches
         with pytest.raises(ValueError, match="not issued on every rank"):
             opt.step()
@@ -240,19 +243,22 @@ def _check_config_errors(hcg, world):
         st = _own_strategy(world, 1, True, free=True)
         st.pp_configs.release_gradients = False  # past HybridStrategy's own check
         with pytest.raises(ValueError, match="free_grads_in_comm needs release"):
-            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, st)
+            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()),
+                              hcg, _for(_CLASSES[version], st))
         st = _own_strategy(world, 1, True)
         st.pp_configs.sharding_comm_overlap = True
         with pytest.raises(ValueError, match="cannot both be on"):
-            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, st)
+            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()),
+                              hcg, _for(_CLASSES[version], st))
         st = _own_strategy(world, 1, True)
         st.pp_degree = 2
         with pytest.raises(ValueError, match="comm_overlap needs pp_degree 1, got 2"):
-            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, st)
+            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()),
+                              hcg, _for(_CLASSES[version], st))
     st = _own_strategy(world, 1, True, free=True, overlap=False)
     st.pp_configs.delay_scale_loss = True
     with pytest.raises(ValueError, match="delay_scale_loss .* would miss the shards"):
-        _CLASSES[2](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, st)
+        _CLASSES[2](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, _for(_CLASSES[2], st))
     params = [nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="needs release_grads=True"):
         FusedCommBuffer(0, params, None, act=HOOK_ACTION.REDUCE_SCATTER,
@@ -312,7 +318,7 @@ def free_in_comm_pipeline(rank, world):
 def _train_pipe(hcg, version, strategy, record, free, steps=3, mbs=2):
     model = PipelineParallel(_pipe_layers(), hcg, strategy, _mse)
     cls = DygraphShardingOptimizerV2 if version == 2 else DygraphShardingOptimizer
-    opt = cls(OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
+    opt = cls(OPTIMIZERS["adam"](model.parameters()), hcg, _for(cls, strategy))
     acc, replica = strategy.accumulate_steps, hcg.get_sharding_parallel_rank()
     if free:  # at the optimizer step the freed grads are still gone (v2: all params' grads,
         inner_step = opt._inner_opt.step  # v1: those this rank does not own)

@@ -13,7 +13,7 @@ from torch import nn
 from comm_buffer import register_main_grad_hooks
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import (OPTIMIZERS, _assert_moved, _assert_same_state, _data, _io,
+from relgrad_checks.common import (_for, OPTIMIZERS, _assert_moved, _assert_same_state, _data, _io,
                                    _main_grad_oracle, _mlp, _oracle, _released, _same_on_all,
                                    _strategy)
 
@@ -23,7 +23,7 @@ def _sharded(hcg, strategy, version, make_model, opt_name, steps, batch, set_to_
     """Distributed: each data replica trains on its slice of the same batch."""
     model = make_model()
     cls = DygraphShardingOptimizerV2 if version == 2 else DygraphShardingOptimizer
-    opt = cls(OPTIMIZERS[opt_name](model.parameters()), hcg, strategy)
+    opt = cls(OPTIMIZERS[opt_name](model.parameters()), hcg, _for(cls, strategy))
     scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if sched else None
     replicas = strategy.dp_degree * strategy.sharding_degree
     replica = hcg.get_data_parallel_rank() * strategy.sharding_degree \
@@ -90,7 +90,8 @@ def _check_edges(hcg, strategy):
             rank = hcg.get_sharding_parallel_rank()
             if version == 1 and world == 4:  # largest first, each to the least loaded rank
                 model = nn.Sequential(nn.Linear(2, 1), nn.Linear(4, 4))  # 2, 1, 16, 4 elements
-                v1 = DygraphShardingOptimizer(OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+                v1 = DygraphShardingOptimizer(OPTIMIZERS["sgd"](model.parameters()),
+                                              hcg, _for(DygraphShardingOptimizer, st))
                 assert [v1._param2rank[p] for p in model.parameters()] == [2, 3, 0, 1]
             if version == 1:
                 empty = rank not in opt._param2rank.values()
@@ -123,7 +124,8 @@ def _check_sharding_lifetime(hcg, strategy, side="pp_configs"):
             model = _mlp([6, 16, 4])
             if main_grad:
                 register_main_grad_hooks(model.parameters())
-            opt = DygraphShardingOptimizerV2(OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+            opt = DygraphShardingOptimizerV2(OPTIMIZERS["sgd"](model.parameters()),
+                                             hcg, _for(DygraphShardingOptimizerV2, st))
             addresses = None
             for step in range(3):
                 x, y = _data(step, 8, 6, 4)
@@ -152,7 +154,8 @@ def _check_unused_param(hcg, strategy):
         st = copy.deepcopy(strategy)
         st.pp_configs.release_gradients = release
         model = nn.ModuleList([_mlp([6, 16, 4]), nn.Linear(3, 3)])  # [1] is never called
-        opt = DygraphShardingOptimizerV2(OPTIMIZERS["adam"](model.parameters()), hcg, st)
+        opt = DygraphShardingOptimizerV2(OPTIMIZERS["adam"](model.parameters()),
+                                         hcg, _for(DygraphShardingOptimizerV2, st))
         trajs[release] = []
         for step in range(3):
             x, y = _data(step, 8, 6, 4)
@@ -177,7 +180,7 @@ def _check_sched_and_state(hcg, strategy):
     for version in (1, 2):
         cls = DygraphShardingOptimizerV2 if version == 2 else DygraphShardingOptimizer
         model = _mlp([6, 16, 4])
-        opt = cls(OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
+        opt = cls(OPTIMIZERS["adam"](model.parameters()), hcg, _for(cls, strategy))
         scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
         x, y = _data(0, 8, 6, 4)
         F.mse_loss(model(x), y).backward()
@@ -196,7 +199,7 @@ def _check_sched_and_state(hcg, strategy):
 
         want = third_step(model, opt)
         model2 = _mlp([6, 16, 4])
-        opt2 = cls(OPTIMIZERS["adam"](model2.parameters()), hcg, strategy)
+        opt2 = cls(OPTIMIZERS["adam"](model2.parameters()), hcg, _for(cls, strategy))
         model2.load_state_dict(params)
         opt2.load_state_dict(saved)
         assert all(torch.equal(a, b) for a, b in zip(third_step(model2, opt2), want))
@@ -217,7 +220,7 @@ def _check_main_grad_sharding(hcg, strategy):
             st = copy.deepcopy(strategy)
             st.pp_configs.release_gradients = release
             model = make()
-            opt = cls(OPTIMIZERS["adam"](model.parameters()), hcg, st)
+            opt = cls(OPTIMIZERS["adam"](model.parameters()), hcg, _for(cls, st))
             trajs[release], opts[release] = [], opt
             for step in range(3):
                 x, y = (t.chunk(2)[hcg.get_sharding_parallel_rank()].bfloat16()

@@ -1,36 +1,36 @@
 """Consolidate and re-shard the optimizer state of sharding v1 / v2 (torch ZeRO's checkpoints).
 
 Mirrors torch's `ZeroRedundancyOptimizer.consolidate_state_dict` / `load_state_dict` for the
-optimizers of `sharding.py`, which imports this module at the call
-(`consolidate_state_dict`, or `load_state_dict` given a consolidated dict). The per-rank
-`state_dict()` and its layout check are the core's (`sharding.py`, per-rank checkpoints). Paddle re-shards at the trainer level instead (PaddleNLP's
-`trainer/utils/sharding_io.py` and `reshard/`: `merge_opt_state` / `split_opt_state`, keyed by
-param name); here it lives on the optimizer, as in torch, and params are keyed by index.
+optimizers of `sharding.py`, which imports this module at the call (`consolidate_state_dict`, or
+`load_state_dict` given a consolidated dict). The per-rank `state_dict()` and its layout check
+are the core's (`sharding.py`, per-rank checkpoints). Paddle re-shards at the trainer level
+instead (PaddleNLP's `trainer/utils/sharding_io.py` and `reshard/`: `merge_opt_state` /
+`split_opt_state`, keyed by param name); here it lives on the optimizer, as in torch, and params
+are keyed by index.
 
 The consolidated state is torch's own `Optimizer.state_dict()` format for the whole optimizer,
 as if one process had trained: `"state"` keyed by the param's index in the optimizer's param
 list (group order), every per-element tensor (Adam's `exp_avg`, `exp_avg_sq`) of the param's
-full shape and no padding, scalars (`step`) as they are; `"param_groups"` with the
-hyper-parameters (lr, ...) and `"params"` index lists; and, beyond torch, `"master_weights"`
-{index: fp32 tensor of the param's shape} for params with an fp32 master (bf16 params under
+full shape and no padding, scalars (`step`) as they are; `"param_groups"` with the hyper-
+parameters (lr, ...) and `"params"` index lists; and, beyond torch, `"master_weights"` {index:
+fp32 tensor of the param's shape} for params with an fp32 master (bf16 params under
 MixPrecisionOptimizer). A plain torch optimizer over the same params loads it (torch ignores
 `"master_weights"`), and so does a v1 / v2 of any sharding degree, which keeps what it owns.
 
 Worked example, v2 over fp32 params of 480, 24, 96 and 4 elements (unit 64 * degree elements):
 on 2 ranks they pad to 512, 128, 128, 128 (shard 448), so rank 0 holds elements 0..447 of the
-first and rank 1 holds 448..479 plus 32 padding elements; on 3 ranks they pad to 576, 192,
-192, 192 (shard 384): rank 0 holds 0..383, rank 1 holds 384..479 plus 96 padding. Consolidating
-the 2-rank state concatenates 448 + 32 elements; loading it on 3 ranks cuts 384 and 96 and
-fills the padding with zeros (what padding holds in training: its grads are always zero).
+first and rank 1 holds 448..479 plus 32 padding elements; on 3 ranks they pad to 576, 192, 192,
+192 (shard 384): rank 0 holds 0..383, rank 1 holds 384..479 plus 96 padding. Consolidating the
+2-rank state concatenates 448 + 32 elements; loading it on 3 ranks cuts 384 and 96 and fills the
+padding with zeros (what padding holds in training: its grads are always zero).
 
 Phases: consolidate: collect this rank's pieces -> gather on rank `to` -> reassemble. Load:
 agree on the param groups and on any problem (small all-gathers) -> cut this rank's pieces ->
-copy them into the inner optimizer in place (its `param_groups` / `state` objects stay).
-Loading allocates no grad or grad buffer.
-Leaves out: optimizers whose state tensors are neither scalars nor param-shaped (e.g.
-Adafactor's factored moments) under v2 (v1 copies them whole); the saved state of a param
-that was frozen when v2 was built (it has no slice; it is not loaded); changing the pipeline
-degree (each stage's optimizer numbers its own params).
+copy them into the inner optimizer in place (its `param_groups` / `state` objects stay). Loading
+allocates no grad or grad buffer. Leaves out: optimizers whose state tensors are neither scalars
+nor param-shaped (e.g. Adafactor's factored moments) under v2 (v1 copies them whole); the saved
+state of a param that was frozen when v2 was built (it has no slice; it is not loaded); changing
+the pipeline degree (each stage's optimizer numbers its own params).
 """
 import copy
 

@@ -1,0 +1,114 @@
+"""The README's recipes, run as a user would: each snippet from an empty folder holding only the
+files its recipe names, on local gloo ranks, against plain one-process torch.
+
+`readme_recipes()` reads every block tagged `<!-- recipe X: files -->` in README.md;
+`run_recipe` copies the named files into a temporary folder, appends a line that saves each
+rank's params, and starts the ranks as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1,
+a port the OS picked); the references below train the same model on the whole batch in one
+process, written from the recipe's description, not from its code.
+"""
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+_TAG = re.compile(r"<!-- recipe (\w+): ([^>]*?) -->\n```python\n(.*?)```", re.S)
+_SAVE = ("\n# added by the test: each rank's params after the snippet\nimport os\n"
+         "torch.save([p.detach().clone() for p in model.parameters()], "
+         "f\"params_rank{os.environ['RANK']}.pt\")\n")
+
+
+def readme_recipes():
+    """{name: (files to copy, snippet source)} for every tagged recipe in README.md."""
+    found = {m.group(1): (m.group(2).split(), m.group(3))
+             for m in _TAG.finditer((REPO / "README.md").read_text())}
+    return found
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_recipe(folder, files, source, world, timeout=90, save=True):
+    """Copy `files` (files or folders of the repo) into `folder`, write `source` (plus the
+    save line) as recipe.py, run it on `world` ranks; return (returncodes, outputs, params by
+    rank or None). Kills every rank after `timeout` seconds."""
+    folder = Path(folder)
+    for name in files:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, folder / name)
+    (folder / "recipe.py").write_text(source + (_SAVE if save else ""))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "RELGRAD"))}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               WORLD_SIZE=str(world), OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="0")
+    procs = [subprocess.Popen([sys.executable, "-E", "-s", "recipe.py"], cwd=folder,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    deadline, outputs = time.monotonic() + timeout, []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    codes = [proc.returncode for proc in procs]
+    params = None
+    if save and all(code == 0 for code in codes):
+        params = [torch.load(folder / f"params_rank{r}.pt") for r in range(world)]
+    return codes, outputs, params
+
+
+# ---------------------------------------------------------------- one-process references
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+
+def _batch(step, rows):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(rows, 16, generator=g), torch.randn(rows, 4, generator=g)
+
+
+def reference(model, steps, rows, sched=False, clip=None, paddle_clip=None):
+    """Plain torch, one process, the whole batch of `rows` per step: AdamW(lr 1e-2), optional
+    StepLR(2, 0.5), torch's clip_grad_norm_(clip) or Paddle's coefficient (paddle_clip).
+    Returns the params after the last step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if sched else None
+    for step in steps:
+        x, y = _batch(step, rows)
+        F.mse_loss(model(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if paddle_clip is not None:  # Paddle's: clip / (max(norm, clip) + 1e-6), also below
+            norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt()
+            coef = paddle_clip / (torch.maximum(norm, torch.tensor(paddle_clip)) + 1e-6)
+            for p in model.parameters():
+                p.grad.mul_(coef)
+        opt.step()
+        opt.zero_grad()
+        if scheduler:
+            scheduler.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def pipeline_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
+                               torch.nn.GELU(), torch.nn.Linear(32, 4))
