@@ -19,6 +19,7 @@ from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
 from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_moved, _data,
                                    _main_grad_oracle, _mlp, _mse, _pipe_layers, _strategy)
+from relgrad_checks.pipe import _pipe_oracle, _stage_slice
 
 SIZES, BATCH = [20, 24, 4], 12
 VERSIONS = {1: DygraphShardingOptimizer, 2: DygraphShardingOptimizerV2}
@@ -255,9 +256,12 @@ def load_from_three(rank, world, folder):
 
 
 def pipeline_resume(rank, world):
-    """pp 2 x sharding 2, sharding comm overlap: each stage consolidates after 2 batches; a
-    fresh pipeline loads it before its first train_batch (v2 cuts it once the pipeline has
-    built its buffers) and its 2 more batches equal the uninterrupted run bitwise."""
+    """pp 2 x sharding 2, sharding comm overlap: each stage consolidates after 2 batches (Adam
+    at step 2 for every param); a fresh pipeline loads it before its first train_batch (v2
+    cuts it once the pipeline has built its buffers: its state is empty until then) and is at
+    step 3 after one batch; its 2 more batches equal the uninterrupted run bitwise and one
+    process training 4 steps on the whole batch."""
+    _, oracle = _pipe_oracle("adam", 4, 8)
     for version in (1, 2):
         strategy = _strategy(pp=2, sharding=2, acc=2, release=True, split_param=version == 2,
                              sharding_comm_overlap=True)
@@ -277,17 +281,29 @@ def pipeline_resume(rank, world):
                 model.train_batch((x, y), opt)
             return [p.detach().clone() for p in model.parameters()]
 
+        def steps_of(state):  # Adam's step count of every param this rank holds state for
+            assert len(state) > 0, "no optimizer state"
+            return {float(entries["step"]) for entries in state.values()}
+
         model, opt = build()
         train(model, opt, range(2))
         saved = [copy.deepcopy(model.state_dict()), opt.consolidate_state_dict(to=0)]
         dist.broadcast_object_list(saved, src=global_rank(group, 0), group=group)  # "the file"
+        assert len(saved[1]["state"]) == len(list(model.parameters())) > 0
+        assert steps_of(saved[1]["state"]) == {2.0}
         want = train(model, opt, range(2, 4))
         model, opt = build()
         model.load_state_dict(saved[0])
         opt.load_state_dict(saved[1])
-        assert all(float(s["step"]) == 2 for s in opt.state.values()) and (
-            (len(opt.state) == 0) == (version == 2))  # v2: no slices before the buffers
-        _equal(train(model, opt, range(2, 4)), want)
+        if version == 1:
+            assert steps_of(opt.state) == {2.0}
+        else:  # v2: no slices before the pipeline builds the buffers
+            assert len(opt.state) == 0
+        train(model, opt, range(2, 3))
+        assert steps_of(opt.state) == {3.0}
+        got = train(model, opt, range(3, 4))
+        _equal(got, want)
+        _close(got, oracle[-1][_stage_slice(model, hcg)])
     return "ok"
 
 
