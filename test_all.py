@@ -572,7 +572,7 @@ def _run_json(cmd):
 _TOP_KEYS = {"config", "stages", "phases", "baseline", "modes", "bitwise_equal"}
 _MODE_KEYS = {"losses", "grad_norms", "idle_bytes_allocator", "idle_grad_bytes_counted",
               "peak_bytes", "peak_phase", "phase_bytes", "step_time_s", "step_time_iqr_s",
-              "step_times_s"}
+              "step_times_s", "param_sha256"}
 _OTHER_MODE_KEYS = _MODE_KEYS | {"idle_grad_bytes_allocator", "step_time_ratio", "bitwise_equal"}
 _PHASES = ["step start", "before 1st backward", "after 1st backward", "after last backward",
            "after collectives", "after optimizer step", "after release"]
@@ -586,7 +586,7 @@ def _check_schema(result, world, steps):
     for mode in result["modes"].values():
         assert len(mode["losses"]) == len(mode["step_times_s"]) == steps
         for key in ("idle_bytes_allocator", "idle_grad_bytes_counted", "peak_bytes",
-                    "phase_bytes"):
+                    "phase_bytes", "param_sha256"):
             assert len(mode[key]) == world, key
         assert all(len(p) == len(_PHASES) for p in mode["phase_bytes"])
         assert all(p in ("forward", "backward", "comm", "step") for p in mode["peak_phase"])
@@ -664,21 +664,34 @@ def _check_trace(trace, world, micro_batches):
 
 def test_torchrun_json():
     """Check `relgrad.py` joins a torchrun job (the several-machines path) and reports the
-    effective config: pp 2 without sharding or dp has no overlap and no fused buffers."""
+    effective config: pp 2 without sharding or dp has no overlap and no fused buffers; release
+    on and off train to the same losses and params, and off holds an fp32 grad per param."""
     result = _run_json([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "2", "relgrad.py", "--json", "--pp", "2",
                         "--sharding", "1", "--steps", "3", "--layers", "2", "--block", "32"])
     _check_schema(result, 2, 3)
-    assert result["bitwise_equal"] is True and result["stages"] == [0, 1]
-    assert result["modes"]["on"]["idle_grad_bytes_counted"] == [0, 0]
-    assert all(n > 0 for n in result["modes"]["off"]["idle_grad_bytes_counted"])
+    off, on = result["modes"]["off"], result["modes"]["on"]
+    assert result["stages"] == [0, 1]
+    # release on == off, read from the two runs' own figures (not the demo's verdict)
+    assert len(off["losses"]) == 3 and off["losses"] == on["losses"]
+    assert len(set(off["losses"])) == 3, off["losses"]  # it trained: 3 different losses
+    assert off["grad_norms"] == on["grad_norms"]
+    assert len(off["param_sha256"]) == 2 and off["param_sha256"] == on["param_sha256"]
+    assert off["param_sha256"][0] != off["param_sha256"][1]  # each stage its own params
+    assert result["bitwise_equal"] is True
+    # off keeps one fp32 grad per param between steps (4 bytes each), on none
     config = result["config"]
+    assert config["model"]["dtype"] == "float32" and config["model"]["params"] > 0
+    assert sum(off["idle_grad_bytes_counted"]) == 4 * config["model"]["params"]
+    assert all(n > 0 for n in off["idle_grad_bytes_counted"])
+    assert on["idle_grad_bytes_counted"] == [0, 0]
     assert not config["pp_configs"]["sharding_comm_overlap"]
     assert not config["pp_configs"]["dp_comm_overlap"]
     assert config["fused_buffers"] == [[], []] and config["optimizer"] == "AdamW"
     assert ".grad" in config["release_frees"]
     after_collectives = _PHASES.index("after collectives")
-    assert all(p[after_collectives] is None for p in result["modes"]["off"]["phase_bytes"])
+    assert len(off["phase_bytes"]) == 2
+    assert all(p[after_collectives] is None for p in off["phase_bytes"])
 
 
 def test_cli_help_and_effective_strategy(capsys):
