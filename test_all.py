@@ -586,7 +586,7 @@ def _check_schema(result, world, steps):
     for mode in result["modes"].values():
         assert len(mode["losses"]) == len(mode["step_times_s"]) == steps
         for key in ("idle_bytes_allocator", "idle_grad_bytes_counted", "peak_bytes",
-                    "phase_bytes", "param_sha256"):
+                    "peak_phase", "phase_bytes", "param_sha256"):
             assert len(mode[key]) == world, key
         assert all(len(p) == len(_PHASES) for p in mode["phase_bytes"])
         assert all(p in ("forward", "backward", "comm", "step") for p in mode["peak_phase"])

@@ -205,3 +205,28 @@ def _assert_same_state(opt, oracle_opt, index=None):
         assert len(entries) > 0 and entries.keys() == full["state"][i].keys(), j
         for name, value in entries.items():
             assert torch.equal(full["state"][i][name].float(), value.float()), (name, j)
+
+
+def _assert_bitwise(got, want, what=""):
+    """Assert `got` and `want` are bitwise equal item by item: lists of the same non-zero
+    length (zip would silently stop at the shorter one, and all() of nothing is True) whose
+    items are tensors (torch.equal), plain values (==) or such lists, recursively."""
+    got, want = list(got), list(want)
+    assert len(got) == len(want) > 0, (what, len(got), len(want))
+    for i, (g, w) in enumerate(zip(got, want)):
+        if isinstance(g, torch.Tensor):
+            assert isinstance(w, torch.Tensor) and torch.equal(g, w), (what, i)
+        elif isinstance(g, (list, tuple)):
+            _assert_bitwise(g, w, (what, i))
+        else:
+            assert g == w, (what, i, g, w)
+
+
+def _assert_close_each(got, want, **tol):
+    """`torch.testing.assert_close(g, w, **tol)` for each pair, after asserting both lists
+    have the same non-zero length (zip would stop at the shorter one; a loop over nothing
+    checks nothing)."""
+    got, want = list(got), list(want)
+    assert len(got) == len(want) > 0, (len(got), len(want))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **tol)

@@ -15,7 +15,8 @@ from comm_buffer import register_main_grad_hooks
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import _for, _data, _mlp, _oracle, _same_on_all, _strategy, OPTIMIZERS
+from relgrad_checks.common import (_for, OPTIMIZERS, _assert_bitwise, _assert_close_each, _data,
+                                   _mlp, _oracle, _same_on_all, _strategy)
 
 V1, V2 = DygraphShardingOptimizer, DygraphShardingOptimizerV2
 
@@ -238,8 +239,7 @@ def _train(model, opt, hcg, steps=3, batch=8, set_to_none=True):
 
 def _assert_oracle(traj, oracle):
     for got, want in zip(traj, oracle):
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        _assert_close_each(got, want, rtol=1e-5, atol=1e-6)
 
 
 def v2_model_moved(rank, world):
@@ -347,9 +347,8 @@ def no_grad_not_stepped(rank, world):
             start = [p.detach().clone() for p in model[1].parameters()]
             trajs[release] = run(model, kind(adamw(model.parameters()), hcg, _for(kind, st)),
                                  world, rank)
-            assert all(torch.equal(a, b) for a, b in zip(start, model[1].parameters()))
-        for off, on in zip(trajs[False], trajs[True]):
-            assert all(torch.equal(a, b) for a, b in zip(off, on))
+            _assert_bitwise(start, model[1].parameters())
+        _assert_bitwise(trajs[False], trajs[True])
         release = True
         model = make()
         _assert_oracle(trajs[True], run(model, adamw(model.parameters()), 1, 0))

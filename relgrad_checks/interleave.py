@@ -13,11 +13,12 @@ from pipeline import PipelineParallel
 from relgrad_extras.interleave import PipelineParallelWithInterleave
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_moved, _assert_same_state,
-                                   _data, _main_grad_oracle, _mse, _pipe_batches, _pipe_layers,
-                                   _released, _same_on_all, _strategy)
+from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_bitwise,
+                                   _assert_close_each, _assert_moved, _assert_same_state, _data,
+                                   _main_grad_oracle, _mse, _pipe_batches, _pipe_layers, _released,
+                                   _same_on_all, _strategy)
 from relgrad_checks.clipping import _tied_layers, _tied_oracle
-from relgrad_checks.pipe import _V1, _V2, _pipe_oracle, _spy_collectives
+from relgrad_checks.pipe import _V1, _V2, _own_buffers, _pipe_oracle, _spy_collectives
 
 # ---- the interleaved order for pp 2 x 2 virtual stages, written out by hand ----
 # Read off the paper's Figure 4 rule (Narayanan et al. 2021): micro-batches go through chunk 0
@@ -120,9 +121,11 @@ def _whole_model(model, hcg):
     return [merged[k] for k in sorted(merged)]
 
 
-def _probe(collectives, release, fires_at):
+def _probe(collectives, release, fires_at, overlap):
     """train_batch, checking per chunk: one allocation per bucket, one collective per bucket
-    after the chunk's last backward (where Paddle fires it), every buffer freed after."""
+    after the chunk's last backward (where Paddle fires it), every buffer freed after.
+    `overlap` (from the test's strategy): the pipeline builds buffers; without it v2's own
+    buffers are checked freed after the step with release, kept without."""
     def probe(model, opt, data):
         buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]
         assert not release or all(b.grad_storage is None for b in buffers)
@@ -143,6 +146,9 @@ def _probe(collectives, release, fires_at):
         finally:
             FusedCommBuffer._copy_grad_to_buffer = original
         by_chunk = model._chunk_2_comm_buffers
+        assert bool(by_chunk) == bool(model._comm_overlap) == overlap, (len(by_chunk), overlap)
+        own = _own_buffers(opt)
+        assert not (own and overlap), "v2 builds its own buffers only without pipeline overlap"
         if model._comm_overlap:
             assert sorted(by_chunk) == [0, 1] and all(by_chunk.values()), "a bucket per chunk"
             assert model.accumulate_steps == 4 and fires_at is not None  # FIRES_AT's case
@@ -158,11 +164,13 @@ def _probe(collectives, release, fires_at):
         collectives.clear()  # it holds the buffers too
         storages = [weakref.ref(b.grad_storage) for b in buffers]
         model._optimizer_step()
+        params = list(model.parameters())
+        assert params
+        assert all((b.grad_storage is None) == release for b in buffers + own)
         if release:
-            assert all(b.grad_storage is None for b in buffers)
             assert _released(*storages), "a released chunk buffer is still alive"
             assert all(p.grad is None and getattr(p, "main_grad", None) is None
-                       for p in model.parameters())
+                       for p in params)
         return loss
     return probe
 
@@ -222,7 +230,9 @@ def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad
             strategy.pp_configs.release_gradients = release
             # the overlap cases are pp 2 x 4 micro-batches, whose firing table is FIRES_AT
             fires_at = FIRES_AT[hcg.get_stage_id()] if base.pp_degree == 2 else None
-            probe = _probe(collectives, release, fires_at)
+            overlap = (base.pp_configs.sharding_comm_overlap
+                       or base.pp_configs.dp_comm_overlap)
+            probe = _probe(collectives, release, fires_at, overlap)
 
             def tracked(model, opt, data, probe=probe):
                 model_ref[0] = model
@@ -240,21 +250,19 @@ def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad
     for release, (losses, traj) in runs.items():
         assert len(losses) == len(traj) == steps
         # interleaved == plain 1F1B bitwise: same per-param sums in the same micro-batch order
-        assert all(torch.equal(a, b) for a, b in zip(losses, plain[0])), release
-        assert all(len(s) == len(t) > 0 for s, t in zip(traj, plain[1]))
-        assert all(torch.equal(a, b) for s, t in zip(traj, plain[1]) for a, b in zip(s, t))
+        _assert_bitwise(losses, plain[0], release)
+        _assert_bitwise(traj, plain[1])
         for loss, got, want_loss, want in zip(losses, traj, oracle_losses, oracle):
             assert len(got) == len(want) > 0, (len(got), len(want))
             if main_grad:
                 assert torch.equal(loss, want_loss), (loss, want_loss)
-                assert all(torch.equal(g, w) for g, w in zip(got, want)), release
+                _assert_bitwise(got, want, release)
                 continue
             mean = loss.clone()
             dist.all_reduce(mean)
             torch.testing.assert_close(mean / dist.get_world_size(), want_loss,
                                        rtol=1e-5, atol=1e-6)
-            for g, w in zip(got, want):
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+            _assert_close_each(got, want, rtol=1e-5, atol=1e-6)
 
 
 def pp_only(rank, world):
@@ -279,18 +287,15 @@ def pp_only(rank, world):
         runs.append(_train(hcg, strategy, vpp, None, "sgd", torch.float32, False, steps, 2,
                            clip=grad_clip))
         assert len(grad_clip.norms) == steps, len(grad_clip.norms)
-        for norm, want_norm in zip(grad_clip.norms, want_norms):
-            torch.testing.assert_close(norm, want_norm, rtol=1e-5, atol=0)
+        _assert_close_each(grad_clip.norms, want_norms, rtol=1e-5, atol=0)
         losses, traj = runs[-1]
         assert len(traj) == steps
         for got, w in zip(traj, want):
             assert len(got) == len(w) > 0, (len(got), len(w))
-            for a, b in zip(got, w):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            _assert_close_each(got, w, rtol=1e-5, atol=1e-6)
     (l1, t1), (l2, t2) = runs
     torch.testing.assert_close(l1, l2, rtol=1e-6, atol=0)
-    for a, b in zip(t1, t2):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    _assert_close_each(t1, t2, rtol=1e-6, atol=1e-7)
     return "ok"
 
 

@@ -14,9 +14,10 @@ from comm_buffer import FusedCommBuffer
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_moved, _assert_same_state,
-                                   _data, _main_grad_oracle, _mlp, _mse, _pipe_batches,
-                                   _pipe_layers, _released, _same_on_all, _strategy)
+from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_bitwise,
+                                   _assert_close_each, _assert_moved, _assert_same_state, _data,
+                                   _main_grad_oracle, _mlp, _mse, _pipe_batches, _pipe_layers,
+                                   _released, _same_on_all, _strategy)
 
 
 def _expected_1f1b(stages, stage, acc):
@@ -215,19 +216,18 @@ def _check_pipeline(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_
                 assert len(got) == len(want[part]) > 0, (len(got), len(want[part]))
                 if main_grad:
                     assert torch.equal(loss, want_loss), (loss, want_loss)
-                    assert all(torch.equal(g, w) for g, w in zip(got, want[part]))
+                    _assert_bitwise(got, want[part])
                     continue
                 mean = loss.clone()
                 dist.all_reduce(mean)
                 torch.testing.assert_close(mean / dist.get_world_size(), want_loss,
                                            rtol=1e-5, atol=1e-6)
-                for g, w in zip(got, want[part]):
-                    torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+                _assert_close_each(got, want[part], rtol=1e-5, atol=1e-6)
     finally:
         restore()
     (l_off, t_off), (l_on, t_on) = runs[False], runs[True]
-    assert all(torch.equal(a, b) for a, b in zip(l_off, l_on))
-    assert all(torch.equal(a, b) for s_off, s_on in zip(t_off, t_on) for a, b in zip(s_off, s_on))
+    _assert_bitwise(l_off, l_on)
+    _assert_bitwise(t_off, t_on)
 
 
 _V1 = lambda opt, hcg, st: DygraphShardingOptimizer(opt, hcg, _for(DygraphShardingOptimizer, st))
@@ -270,8 +270,7 @@ def sharding_flag_under_pp_overlap(rank, world):
     assert addresses[0] == addresses[1] == addresses[2]
     _, oracle = _pipe_oracle("sgd", 3, 2 * 4 * 2)
     for got, want in zip(traj, oracle):
-        for g, w in zip(got, want[_stage_slice(model, hcg)]):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        _assert_close_each(got, want[_stage_slice(model, hcg)], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="should not erase grad buffer"):
         model.optimizer.zero_grad()  # set_to_none=True would detach grads from the buffers
     return "ok"
@@ -328,8 +327,7 @@ def loss_scaled_once(rank, world):
         got = [p.grad for p in model.parameters()]
         part = want[_stage_slice(model, hcg)]
         assert len(got) == len(part) > 0, (len(got), len(part))
-        for a, b in zip(got, part):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        _assert_close_each(got, part, rtol=1e-5, atol=1e-7)
     return "ok"
 
 
