@@ -153,7 +153,9 @@ def _check_consolidated(full, oracle_opt, bf16):
             if bf16:
                 assert torch.equal(full["state"][i][name].float(), v.float()), (i, name)
             else:
-                torch.testing.assert_close(full["state"][i][name], v, rtol=1e-4, atol=1e-6)
+                # atol on the entry's own scale: exp_avg_sq is ~1e-5 here, a fixed 1e-6 is 10%
+                torch.testing.assert_close(full["state"][i][name], v, rtol=1e-4,
+                                           atol=1e-5 * float(v.abs().max()))
     if bf16:
         masters = oracle_opt.state_dict()["masters"]
         assert sorted(full["master_weights"]) == [0, 1, 2, 3] and len(masters) == 4
