@@ -12,8 +12,11 @@ up front: the first check-in of a step allocates the buffer, adds the first micr
 into its slot and re-points the grad at the slot; later micro-batches accumulate in place; after
 the optimizer step the caller drops the grads and calls `_clear_grad_storage()`.
 [later] With `free_grads_in_comm` (PaddleNLP #9081) the part of the buffer this rank will not
-read is freed as soon as the collective has completed (`scale_grads`): v2 keeps its shard only,
-a v1 non-owner keeps nothing.
+read is freed as soon as the collective has completed: v2 keeps its shard only, a v1 non-owner
+keeps nothing. Paddle frees at `scale_grads`; buffers that share a queue (`share_comm_queue`,
+as the sharding optimizers and the pipeline set up) free during backward, bucket by bucket.
+On gloo, v2's reduce-scatter and all-gather run as in-place all-reduce / broadcasts, which
+stage no full-size copy (`_stages_full_copies`); NCCL keeps Paddle's collectives.
 Phases of a step: check in -> communicate -> wait, scale (and free) -> step -> release.
 Sections: layout (slots, shards, views); hooks and helpers; the fused buffer.
 
@@ -310,11 +313,12 @@ class FusedCommBuffer:
         fuse_param: also move the params into one flat param buffer (not with release).
         scale_after_comm: scale by 1/nranks after the collective (else before).
         release_grads: allocate the grad buffer lazily each step; see `_clear_grad_storage`.
-        free_grads_in_comm: [later] free, once the collective has completed (`scale_grads`),
-            what this rank will not read: REDUCE_SCATTER keeps only its shard (`grad_storage`
-            becomes `buffer_size / nranks` elements, the slice grads view it, the params'
-            grads are dropped); REDUCE drops the whole buffer and the grads on ranks other
-            than `dst`. Needs release_grads; any acc_steps (Paddle: acc_steps 1, v2 only).
+        free_grads_in_comm: [later] free, once the collective has completed (`scale_grads`,
+            or during backward with `share_comm_queue`), what this rank will not read:
+            REDUCE_SCATTER keeps only its shard (`grad_storage` becomes `buffer_size /
+            nranks` elements, the slice grads view it, the params' grads are dropped);
+            REDUCE drops the whole buffer and the grads on ranks other than `dst`. Needs
+            release_grads; any acc_steps (Paddle: acc_steps 1, v2 only).
 
     Attributes: `grad_storage` (1-D, `buffer_size` elements; None while released; with
     free_grads_in_comm after the collective: the shard, or None on a REDUCE non-owner),
@@ -356,6 +360,7 @@ class FusedCommBuffer:
         self._release_grads = release_grads
         self._free_grads_in_comm = free_grads_in_comm
         self._freed_in_comm = False  # freed in scale_grads, not yet released by the caller
+        self._comm_queue = None  # set by share_comm_queue (free_grads_in_comm)
         self.use_main_grad = (use_main_grad if use_main_grad is not None
                               else hasattr(params[0], "main_grad"))
         # Beyond Paddle (which decides from params[0] alone): the others would get zero
@@ -418,6 +423,8 @@ class FusedCommBuffer:
         self._params_step_dict = {p: 0 for p in self._params}
 
     def _reset_params_checked_in(self):
+        if self._comm_queue is not None:
+            self._comm_queue.discard(self)
         self._task = None
         self._init_step_dict()
         self._params_checked_in = 0
@@ -440,6 +447,8 @@ class FusedCommBuffer:
         if self._params_step_dict[param] > 0:
             return
         if self.grad_storage is None:
+            if self._comm_queue is not None:  # free the buckets in flight before allocating
+                self._comm_queue.complete_all()
             self.grad_storage = torch.zeros(self.buffer_size, dtype=self._dtype,
                                             device=param.device)
         if self._act == HOOK_ACTION.REDUCE_SCATTER:
@@ -519,6 +528,8 @@ class FusedCommBuffer:
         grad is still set under main_grad (hooks in the wrong order), or (beyond Paddle) a new
         step starts while last step's released buffer is still allocated.
         """
+        if self._comm_queue is not None:  # complete the earlier buckets that are done
+            self._comm_queue.poll()
         if param not in self._params_step_dict:
             if param not in self._index:
                 raise ValueError(f"add_grad: a param of shape {tuple(param.shape)} is not in "
@@ -538,7 +549,8 @@ class FusedCommBuffer:
                     f"bucket {self._id}: a new step started while last step's grad buffer is "
                     "still allocated, so its values would be added in. With release_grads, "
                     "after the optimizer step drop the grads and call _clear_grad_storage() "
-                    "(PipelineParallel._optimizer_step does both)")
+                    "(PipelineParallel._optimizer_step and the sharding optimizers' "
+                    "zero_grad() do both: call opt.zero_grad(), not model.zero_grad())")
             self._copy_grad_to_buffer(param)
         else:
             grad = _grad_of(param, self.use_main_grad)
@@ -582,8 +594,12 @@ class FusedCommBuffer:
             self._task = dist.all_reduce(storage, group=group, async_op=True)
         elif self._act == HOOK_ACTION.REDUCE:
             self._task = dist.reduce(storage, dst=self._dst, group=group, async_op=True)
+        elif _stages_full_copies(group, storage):  # gloo: see _stages_full_copies
+            self._task = dist.all_reduce(storage, group=group, async_op=True)
         else:  # in place: this rank's shard of the same buffer receives the reduced shard
             self._task = _reduce_scatter(self._local_shard(storage), storage, group)
+        if self._comm_queue is not None:  # free_grads_in_comm: finish earlier buckets first
+            self._comm_queue.issued(self)
 
     def _local_shard(self, buffer):
         shard = buffer.numel() // self._nranks
@@ -597,27 +613,44 @@ class FusedCommBuffer:
         Only what this rank reads is scaled (differs from Paddle, which scales the whole
         buffer, one wasted pass over (1 - 1/nranks) of it): after a reduce-scatter this rank's
         shard, after a reduce the owner's (`dst`) buffer, after an all-reduce everything. With
-        free_grads_in_comm, what this rank will not read is freed here (see the class).
+        free_grads_in_comm, what this rank will not read is freed once the collective is done:
+        during backward when the buffer shares a queue (`share_comm_queue`), else here.
         Raises RuntimeError if no collective was issued this step.
         """
         if self._task is None:
             raise RuntimeError(f"bucket {self._id}: no collective in flight, so nothing to wait "
                                f"for: {self._check_in_status()}. A param that gets no grad in "
                                "backward never checks in; or scale_grads() already ran this step")
+        if self._task is not _COMPLETED:
+            self._complete_comm()
+        self._reset_params_checked_in()
+
+    @torch.no_grad()
+    def _complete_comm(self):
+        """Wait for the collective, scale what this rank reads and, with free_grads_in_comm,
+        free the rest; the check-ins stay until `scale_grads()` (`_task` becomes _COMPLETED).
+
+        Called by `scale_grads()`, or earlier by the queue (`share_comm_queue`) as soon as the
+        collective is done, at a later check-in of backward."""
+        if self._comm_queue is not None:
+            self._comm_queue.discard(self)
         self._task.wait()
-        self._task = None  # let go of the work now: on gloo it holds a full-size temporary
+        # Let go of the work now: it holds the buffer (and on gloo a reduce-scatter's
+        # full-size temporary), which must not outlive the collective.
+        self._task = _COMPLETED
         reads = self._act != HOOK_ACTION.REDUCE or dist.get_rank() == self._dst
         scale = self._scale_after_comm and reads
         if self._free_grads_in_comm and self._act == HOOK_ACTION.REDUCE_SCATTER:
             # Differs from Paddle, which reduce-scatters into a fresh shard-sized tensor and
-            # swaps the buffers at issue: here the reduce-scatter runs in place and the shard
-            # is copied out once it is done (scaled in the same pass), so the new G/S bytes
-            # (G = buffer bytes, S = nranks) are never alive beside the collective. Bytes of
-            # a bucket: NCCL, G in flight, G + G/S for the copy, then G/S. gloo adds a
-            # full-size temporary in flight (torch's gloo reduce-scatter is an all-reduce of
-            # a copy), freed with the work above; Paddle's order would hold G + G/S (+ G).
+            # swaps the buffers at issue: here the collective runs in place and the shard is
+            # copied out once it is done (scaled in the same pass), so the new G/S bytes (G =
+            # bucket bytes, S = nranks) are alive beside the full bucket only for that copy,
+            # after the collective. Bytes of a bucket: G while filling and in flight (NCCL's
+            # reduce-scatter and gloo's in-place all-reduce add no full-size temporary),
+            # G + G/S for the copy, then G/S. Paddle's order holds G + G/S in flight.
             local = self._local_shard(self.grad_storage)
             self._reset_grad_storage(local * (1.0 / self._nranks) if scale else local.clone())
+            del local
             scale = False
         elif self._free_grads_in_comm and not reads:  # REDUCE, not the owner: nothing to keep
             self._drop_grad_storage()
@@ -627,7 +660,6 @@ class FusedCommBuffer:
             if self._act == HOOK_ACTION.REDUCE_SCATTER:
                 mine = self._local_shard(mine)
             mine.mul_(1.0 / self._nranks)
-        self._reset_params_checked_in()
 
     @torch.no_grad()
     def assign_slice_grad(self, param, slice_param):
@@ -643,10 +675,21 @@ class FusedCommBuffer:
 
     @torch.no_grad()
     def sync_params(self):
-        """REDUCE_SCATTER: all-gather every rank's shard of `param_storage` (in place)."""
+        """REDUCE_SCATTER: all-gather every rank's shard of `param_storage` (in place).
+
+        On gloo, one in-place broadcast per shard from its rank instead (see
+        `_stages_full_copies`): the same bytes land in the same places, with no temporary.
+        """
         self._require_reduce_scatter("sync_params")
-        full = self.param_storage
-        _all_gather(full, self._local_shard(full), self._comm_group)
+        full, group = self.param_storage, self._comm_group
+        if not _stages_full_copies(group, full):
+            _all_gather(full, self._local_shard(full), group)
+            return
+        shard = full.numel() // self._nranks
+        works = [dist.broadcast(full[r * shard : (r + 1) * shard], global_rank(group, r),
+                                group=group, async_op=True) for r in range(self._nranks)]
+        for work in works:
+            work.wait()
 
     def _require_reduce_scatter(self, what):
         if self._act != HOOK_ACTION.REDUCE_SCATTER:
@@ -689,6 +732,94 @@ def _check_free_args(act, release_grads, free_grads_in_comm):
     if free_grads_in_comm and act == HOOK_ACTION.ALL_REDUCE:
         raise ValueError("free_grads_in_comm has nothing to free with act=ALL_REDUCE (every rank "
                          "reads the whole buffer); use it with REDUCE or REDUCE_SCATTER")
+
+
+def _stages_full_copies(group, tensor):
+    """True where `group`'s backend for `tensor`'s device is gloo, whose reduce-scatter and
+    all-gather stage a full-size copy of what they move; the buffer then uses in-place
+    collectives instead.
+
+    What each backend holds beside a bucket of G bytes on S ranks while its collective runs:
+    - NCCL: `reduce_scatter_tensor` and `all_gather_into_tensor` run in place on the buffer
+      (output = this rank's shard of the input); nothing beside the bucket (NCCL's own
+      fixed-size channel buffers aside). Kept there.
+    - gloo (torch 2.13's ProcessGroupGloo): the reduce-scatter is an all-reduce of a G-byte
+      copy, alive until the work is waited for (for hook-issued collectives: `step()`), and
+      the all-gather gathers into a fresh G-byte tensor and copies it out. Replaced by an
+      in-place all-reduce of the bucket (every rank then holds the whole sum; each reads its
+      shard: the same sums, so release on and off stay bitwise equal; twice the bytes on the
+      wire of a reduce-scatter, which gloo's reduce-scatter moves anyway) and by one in-place
+      broadcast per shard: no temporary of the bucket's size.
+    """
+    backend = str(dist.get_backend(group))
+    if ":" in backend:  # "cpu:gloo,cuda:nccl": the backend of this device
+        backend = dict(b.split(":", 1) for b in backend.split(",")).get(tensor.device.type, "")
+    return backend == "gloo"
+
+
+class _CompletedWork:
+    """`_task` after `_complete_comm`: the collective was issued this step and is done."""
+
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+_COMPLETED = _CompletedWork()
+
+
+class _CommQueue:
+    """The buckets of one builder whose collectives are in flight, in issue order.
+
+    free_grads_in_comm frees what a rank will not read as soon as a bucket's collective is
+    done, during backward: at every check-in the queue completes (`_complete_comm`: scale and
+    free) the buckets whose collective has finished (gloo's collectives usually still run
+    then: they share the cores with backward); a bucket that allocates its buffer (its first
+    check-in of the step) first waits for and completes every bucket in flight; and issuing
+    a bucket completes the ones issued before it (with accumulation every buffer was
+    allocated in the first micro-batch, and this is what frees in the last one). So at most
+    one full bucket (in flight, or being filled) lives beside the shards: P + O + G/S + one
+    bucket (+ G/S of it while its shard is copied out). The waits cost the overlap of a
+    bucket's collective with the backward of the next one. Waiting is local: it issues no
+    collective, so every rank still issues the same ones in the same order.
+    """
+
+    def __init__(self):
+        self._in_flight = []
+
+    def complete_all(self):
+        """Wait for and complete every bucket in flight, in issue order."""
+        for buffer in list(self._in_flight):
+            buffer._complete_comm()
+
+    def issued(self, buffer):
+        """`buffer` has just issued its collective: complete every earlier one (blocking)."""
+        self.complete_all()
+        self._in_flight.append(buffer)
+
+    def poll(self):
+        """Complete the buckets whose collective has finished (never blocks)."""
+        for buffer in list(self._in_flight):
+            if buffer._task.is_completed():
+                buffer._complete_comm()
+
+    def discard(self, buffer):
+        if buffer in self._in_flight:
+            self._in_flight.remove(buffer)
+
+
+def share_comm_queue(buffers):
+    """Make the `free_grads_in_comm` buffers among `buffers` (built together, hooked to one
+    backward, on one group or several) complete each bucket as soon as its collective is
+    done, during backward, instead of at `scale_grads()` (see `_CommQueue`). Not in Paddle,
+    which frees at `scale_grads()`. Buffers without free_grads_in_comm are left as they are.
+    """
+    queue = _CommQueue()
+    for buffer in buffers:
+        if buffer._free_grads_in_comm:
+            buffer._comm_queue = queue
 
 
 # torch 2.13 renamed these collectives; fall back to the old names for older torch.

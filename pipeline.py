@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, assign_group_by_size,
-                         bw_hook_func, global_rank, main_grad_or_grad as _grad)
+                         bw_hook_func, global_rank, main_grad_or_grad as _grad,
+                         share_comm_queue)
 from sharding import _check_grad_clip, _extras, agreed_all_reduce_mean, norm_groups
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
@@ -215,6 +216,8 @@ class PipelineParallel(nn.Module):
                         hook = self.bw_hook_func
                     for p in bucket:
                         p.register_post_accumulate_grad_hook(hook(buffer, p))
+        # free_grads_in_comm: each bucket freed once its collective is done, during backward
+        share_comm_queue([b for bs in self._chunk_2_comm_buffers.values() for b in bs])
 
     def bw_hook_func(self, buffer, param):
         """The hook each untied param gets (Paddle's method of this name): check in, and fire
@@ -231,8 +234,13 @@ class PipelineParallel(nn.Module):
             if param2rank is None:
                 raise ValueError("sharding_comm_overlap without split_param needs a sharding v1 "
                                  "optimizer (DygraphShardingOptimizer), which owns _param2rank")
+        # Paddle's pipeline keeps 128 MB buckets; beyond it, sharding_configs.
+        # comm_buffer_size_MB ([later]) sets them here too when it is set.
+        sharding_config = self._strategy.hybrid_configs["sharding_configs"]
+        mb = getattr(sharding_config, "comm_buffer_size_MB", None)
+        size = {} if mb is None else {"group_size": mb * 1024 * 1024}
         self.fused_gradient(self._layers, self._hcg.get_sharding_parallel_group(),
-                            self.accumulate_steps, dp=False, param2rank=param2rank)
+                            self.accumulate_steps, dp=False, param2rank=param2rank, **size)
         self._sharding_hooks_registered = True
 
     # ---- one training step ----

@@ -85,10 +85,27 @@ class DygraphShardingConfig:
     # [later] PaddleNLP #9081: free what a rank will not read once its bucket is reduced
     # (v2: all but its shard; v1: a non-owner's grads); needs release
     free_grads_in_comm: bool = False
+    # [later] Paddle's field (proto default 256): MB per fused grad buffer (bucket) of
+    # sharding, read where Paddle reads it (v2's _build_comm_buffers; here also v1's own
+    # comm_overlap buffers). None = not set: sharding's own buffers take Paddle's 256 MB and
+    # the pipeline's sharding buffers keep its fixed 128 MB (Paddle's pipeline does not read
+    # the field; here it does when the field is set). The pipeline's dp buffers keep 128 MB.
+    comm_buffer_size_MB: int = None
 
     def __post_init__(self):
         _require(self.accumulate_steps >= 1, "sharding_configs.accumulate_steps must be >= 1, "
                  f"got {self.accumulate_steps}")
+        mb = self.comm_buffer_size_MB
+        _require(mb is None or (isinstance(mb, int) and not isinstance(mb, bool) and mb > 0),
+                 "sharding_configs.comm_buffer_size_MB must be a positive int (MB per fused "
+                 f"grad buffer; Paddle's default 256), got {mb!r}; pass e.g. 256, or None "
+                 "for the defaults")
+
+    def comm_buffer_bytes(self, default_MB=256):
+        """Bytes per fused grad buffer: `comm_buffer_size_MB` MB if set, else `default_MB` MB
+        (256: sharding's own buffers, Paddle's default; the pipeline passes its 128)."""
+        mb = default_MB if self.comm_buffer_size_MB is None else self.comm_buffer_size_MB
+        return mb * 1024 * 1024
 
 
 @dataclass
@@ -314,7 +331,15 @@ def parse_args(argv=None):
                    help="virtual pipeline stages per rank (interleaved 1F1B when > 1)")
     p.add_argument("--free-grads-in-comm", dest="modes", action="append_const", const="free",
                    help="also run release on + sharding_configs.free_grads_in_comm (a third "
-                   "mode): what a rank will not read is freed right after its collective")
+                   "mode; with --peers a fifth row): what a rank will not read is freed right "
+                   "after its bucket's collective, during backward")
+    p.add_argument("--comm-buffer-mb", type=int, metavar="MB",
+                   help="sharding_configs.comm_buffer_size_MB: MB per fused grad buffer "
+                   "(bucket) of sharding (default: Paddle's 256 for sharding's own buffers, "
+                   "128 for the pipeline's)")
+    p.add_argument("--eval-every", type=int, default=5, metavar="N",
+                   help="the main job: after every N-th step an eval pass (forward only, no "
+                   "grad, a batch 4 times a training one); 0: none")
     p.add_argument("--main-grad", action="store_true", help="bf16 params, fp32 main grads")
     p.add_argument("--steps", type=int, default=30, help="training steps per run")
     p.add_argument("--micro-batches", type=int, default=4,
@@ -347,6 +372,10 @@ def parse_args(argv=None):
         p.error(f"--block must be between 1 and 1024 characters, got {args.block}")
     if args.d_model < 4 or args.d_model % 4:
         p.error(f"--d-model must be a multiple of the 4 attention heads, got {args.d_model}")
+    if args.comm_buffer_mb is not None and args.comm_buffer_mb < 1:
+        p.error(f"--comm-buffer-mb must be >= 1 (MB per bucket), got {args.comm_buffer_mb}")
+    if args.eval_every < 0:
+        p.error(f"--eval-every must be >= 0 (0: no eval), got {args.eval_every}")
     if args.vpp < 1:
         p.error(f"--vpp must be >= 1, got {args.vpp}")
     if args.pp * args.vpp > args.layers + 2:

@@ -19,7 +19,9 @@ owned params / slices -> broadcast / all-gather. Both keep torch's optimizer con
 Without a pipeline, `sharding_configs.comm_overlap` (sharding's own tensor-fusion overlap)
 registers the buffers' hooks in the optimizer itself, so each bucket's reduce (v1, buckets
 grouped by owner) or reduce-scatter (v2) overlaps the last backward; `free_grads_in_comm`
-[later] frees what a rank will not read as soon as the collective is done.
+[later] frees what a rank will not read as soon as the collective is done, bucket by bucket
+during that backward (`comm_buffer.share_comm_queue`). Bucket size: [later]
+`sharding_configs.comm_buffer_size_MB` (256 MB if unset, Paddle's default).
 
 Leaves out: v1's fused params and fused optimizer, offload, color sharding,
 torch.amp.GradScaler (refused with a clear error).
@@ -38,7 +40,7 @@ import torch.distributed as dist
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _share_param_buffer,
                          all_reduce_mean, assign_group_by_size, bw_hook_func, global_rank,
-                         main_grad_or_grad as _grad)
+                         main_grad_or_grad as _grad, share_comm_queue)
 
 
 # ============================================================================================
@@ -819,6 +821,7 @@ class _OwnOverlap:
                     len(self._comm_buffers), bucket, self._group, acc_steps, HOOK_ACTION.REDUCE,
                     dst, release_grads=self.pp_release_grads,
                     free_grads_in_comm=self._free_grads_in_comm))
+        share_comm_queue(self._comm_buffers)  # free_grads_in_comm: free during backward
         self._register_own_hooks(self._comm_buffers)
 
     def _register_own_hooks(self, buffers):
@@ -911,7 +914,8 @@ def _remove_hooks(handles):
 _ERASE_MSG = ("should not erase grad buffer: with release_gradients off the grads are views of "
               "a fused buffer that must persist, so clear_grad(set_to_zero=False) / "
               "zero_grad(set_to_none=True) is not allowed. Use zero_grad(set_to_none=False), "
-              "or turn pp_configs.release_gradients on.")
+              "or turn release on: pp_configs.release_gradients (or, without a pipeline, "
+              "sharding_configs.release_gradients).")
 
 _MOVED_MSG = ("a param is no longer a view of sharding v2's flat param buffer and has another "
               "dtype or device (e.g. model.to(torch.float64) after DygraphShardingOptimizerV2 "
@@ -927,6 +931,14 @@ _NO_GRAD_MSG = ("no param has a grad on any rank at step(): did zero_grad() run 
                 "and step()? Clear grads after step(). Or were the model's params replaced "
                 "after the optimizer was built (model.load_state_dict(..., assign=True), "
                 "model.to_empty())? Build the optimizer after that, or load without assign.")
+
+
+def _comm_buffer_bytes(sharding_config):
+    """Bytes per bucket of sharding's own buffers: `sharding_configs.comm_buffer_size_MB`
+    ([later] Paddle's field), 256 MB if unset (Paddle's default). Duck-typed configs
+    without the field get the default."""
+    mb = getattr(sharding_config, "comm_buffer_size_MB", None)
+    return (256 if mb is None else mb) * 1024 * 1024
 
 
 def _check_grad_clip(grad_clip):
@@ -949,14 +961,6 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
     def _setup(self, optimizer, hcg, strategy):
         pp_config = strategy.hybrid_configs["pp_configs"]
         sharding_config = strategy.hybrid_configs["sharding_configs"]
-        split = isinstance(self, DygraphShardingOptimizerV2)
-        if bool(sharding_config.split_param) != split:  # the same on every rank
-            use = "DygraphShardingOptimizerV2" if sharding_config.split_param else (
-                "DygraphShardingOptimizer")
-            raise ValueError(f"sharding_configs.split_param={sharding_config.split_param} "
-                             f"selects {use} (Paddle picks the class from this field), but "
-                             f"{type(self).__name__} was built; build {use}, or set "
-                             f"split_param={split}")
         self._hcg = hcg
         self._group = hcg.get_sharding_parallel_group()
         self._nranks = hcg.get_sharding_parallel_world_size()
@@ -977,8 +981,87 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
                          and not pp_config.dp_comm_overlap)
         self._reduced = False  # grads reduced by a step() and not cleared since
         self._grads_ready = False  # clip_grad_norm_ ran step()'s first half; step() next
+        self._agree_on_setup(optimizer, strategy)
+        self._broadcast_params()
         self._check_template(optimizer)
         self._setup_own_overlap(strategy)
+
+    @property
+    def comm_buffers(self):
+        """The `FusedCommBuffer`s whose grads this optimizer reduces (a new list): v1 / v2's own
+        with `sharding_configs.comm_overlap`, v2's own without it, v2's view of the pipeline's
+        under `pp_configs.sharding_comm_overlap` (after the first train_batch); empty for v1
+        without overlap (it reduces grad by grad) and v1 under the pipeline's overlap (see the
+        pipeline's `_chunk_2_comm_buffers`). With release, `grad_storage is None` on each of
+        them from `zero_grad()` to the next step's first grad check-in."""
+        return list(self._own_buffers())
+
+    def _split_param_problem(self, sharding_config):
+        split = isinstance(self, DygraphShardingOptimizerV2)
+        if bool(sharding_config.split_param) == split:
+            return None
+        use = "DygraphShardingOptimizerV2" if sharding_config.split_param else (
+            "DygraphShardingOptimizer")
+        return (f"sharding_configs.split_param={sharding_config.split_param} selects {use} "
+                f"(Paddle picks the class from this field), but {type(self).__name__} was "
+                f"built; build {use}, or set split_param={split}")
+
+    def _agree_on_setup(self, optimizer, strategy):
+        """Beyond Paddle: every rank of the sharding (and dp) group must build the optimizer
+        alike, or the ranks would issue different collectives (a hang) or train different
+        models silently. One all-gather of a small description per group (class, config,
+        torch optimizer and its hyper-parameters, param shapes / dtypes / requires_grad);
+        any difference, or a class that does not fit split_param, raises ValueError on every
+        rank, naming the ranks and the values."""
+        sharding_config = strategy.hybrid_configs["sharding_configs"]
+        pp_config = strategy.hybrid_configs["pp_configs"]
+        fields = ("split_param", "comm_overlap", "accumulate_steps", "release_gradients",
+                  "free_grads_in_comm", "comm_buffer_size_MB")
+        mine = {
+            "class": type(self).__name__,
+            "sharding_configs": {f: getattr(sharding_config, f, None) for f in fields},
+            "pp_configs": (pp_config.release_gradients, pp_config.sharding_comm_overlap,
+                           pp_config.dp_comm_overlap, pp_config.delay_scale_loss),
+            "torch optimizer": type(optimizer).__name__,
+            "hyper-parameters": [sorted((k, repr(v)) for k, v in g.items() if k != "params")
+                                 for g in optimizer.param_groups],
+            "params (shape, dtype, requires_grad)": [
+                (tuple(p.shape), str(p.dtype), p.requires_grad) for p in self._parameter_list],
+        }
+        problem = self._split_param_problem(sharding_config)
+        groups = [self._group]
+        if self._hcg.get_data_parallel_world_size() > 1:
+            groups.append(self._hcg.get_data_parallel_group())
+        texts = []
+        for group in groups:
+            seen = _all_gather((dist.get_rank(), mine, problem), group)
+            texts += [text for _, _, text in seen if text]
+            first_rank, first, _ = seen[0]
+            for rank, desc, _ in seen[1:]:
+                for key in first:
+                    if desc[key] != first[key]:
+                        a, b = repr(first[key]), repr(desc[key])
+                        texts.append(f"{key}: global rank {first_rank} has {a[:160]}, global "
+                                     f"rank {rank} has {b[:160]}")
+        if texts:
+            raise ValueError("the sharding optimizer: every rank of the sharding (and dp) group "
+                             "must build it alike (same class, config, torch optimizer, "
+                             "hyper-parameters and model); " + "; ".join(dict.fromkeys(texts)))
+
+    @torch.no_grad()
+    def _broadcast_params(self):
+        """Start every rank from the same params, as DDP does and Paddle's
+        `fleet.distributed_model` does (`broadcast_sharding_parameters` /
+        `broadcast_dp_parameters`): each param from sharding rank 0, then from dp rank 0.
+        A no-op in value when every rank seeded its model alike."""
+        groups = [self._group] if self._nranks > 1 else []
+        if self._hcg.get_data_parallel_world_size() > 1:
+            groups.append(self._hcg.get_data_parallel_group())
+        for group in groups:
+            works = [dist.broadcast(p.detach(), src=global_rank(group, 0), group=group,
+                                    async_op=True) for p in self._parameter_list]
+            for work in works:
+                work.wait()
 
     def _check_template(self, optimizer):
         """Beyond Paddle: refuse, on every rank, a template optimizer that already has state
@@ -1002,6 +1085,13 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         # a stage without params: nccl still needs the flags on the GPU
         nccl = dist.get_backend(self._group) == "nccl"
         return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    @property
+    def _grads_freed_in_backward(self):
+        """free_grads_in_comm on buffers hooked to backward (the pipeline's, or the own
+        comm_overlap ones): the grads a rank does not read may be gone before `step()`, every
+        trainable param having checked in (else the buckets' agreement raises)."""
+        return self._free_grads_in_comm and (self.pp_overlap or self.comm_overlap)
 
     def _begin_step(self):
         # Beyond Paddle: a second step() would reduce already reduced grads again.
@@ -1076,7 +1166,7 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         anywhere = agree(has_grad, rules, self._flag_groups(), self._flags_device())
         if any(p.requires_grad for p in params) and not any(anywhere):
             raise ValueError(_NO_GRAD_MSG)
-        if not (self.pp_overlap and self._free_grads_in_comm):  # else freed on purpose
+        if not self._grads_freed_in_backward:  # else freed on purpose
             fill_missing_grads(params, anywhere)
         return anywhere
 
@@ -1123,8 +1213,9 @@ class DygraphShardingOptimizer(_Sharding):
         self._expose(self._inner_opt)
         self._comm_buffers = []
         if self.comm_overlap:
-            self._build_owner_buffers(
-                strategy.hybrid_configs["sharding_configs"].accumulate_steps)
+            sharding_config = strategy.hybrid_configs["sharding_configs"]
+            self._build_owner_buffers(sharding_config.accumulate_steps,
+                                      _comm_buffer_bytes(sharding_config))
 
     def _own_buffers(self):
         return self._comm_buffers
@@ -1182,15 +1273,20 @@ class DygraphShardingOptimizer(_Sharding):
         """torch's `add_param_group` through sharding: the new params get owners (largest
         first, to the least loaded rank), this rank's inner optimizer a group of those it owns
         (maybe empty, so group indices match on every rank). Call it alike on every rank.
-        Raises ValueError for a param already in the optimizer, or under the pipeline's
-        sharding_comm_overlap (its buffers are laid out from the owners already).
+        Raises ValueError for a param already in the optimizer, or under a comm overlap
+        (the pipeline's sharding_comm_overlap, or sharding_configs.comm_overlap): the fused
+        buffers are laid out from the owners already, and a new param's grad would never
+        be reduced.
         """
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        if self.pp_overlap:
-            raise ValueError("add_param_group is not supported with pp_configs."
-                             "sharding_comm_overlap: the pipeline's buffers are built from the "
-                             "owners; build the torch optimizer with every group first")
+        if self.pp_overlap or self.comm_overlap:
+            which = ("pp_configs.sharding_comm_overlap" if self.pp_overlap
+                     else "sharding_configs.comm_overlap")
+            raise ValueError(f"add_param_group is not supported with {which}: the fused "
+                             "buffers are built from the owners at construction, so a new "
+                             "param's grad would never be reduced; build the torch optimizer "
+                             "with every group first")
         known = {id(p) for p in self._parameter_list}
         if any(id(p) in known for p in params) or len({id(p) for p in params}) < len(params):
             raise ValueError("add_param_group: some params are already in the optimizer (or "
@@ -1259,7 +1355,7 @@ class DygraphShardingOptimizer(_Sharding):
     def _has_grad(self):
         """Per param: this rank has a grad that backward (or the user) wrote since the last
         clear_grad (in-place accumulation bumps the grad's `_version`)."""
-        if self.pp_overlap and self._free_grads_in_comm:  # went with the freed buffers
+        if self._grads_freed_in_backward:  # went with the freed buffers
             return [p.requires_grad for p in self._parameter_list]
         return [(g := _grad(p)) is not None and self._zeroed.get(id(p)) != (id(g), g._version)
                 for p in self._parameter_list]
@@ -1309,7 +1405,9 @@ class DygraphShardingOptimizerV2(_Sharding):
     and the reduce-scatter fires in the last of `accumulate_steps` backward passes. Without
     hooks, backward accumulates straight into their views (release off) or `reduce_gradients`
     copies the grads in at `step()` (release on). With free_grads_in_comm each buffer keeps
-    only this rank's shard once reduced (see `FusedCommBuffer`); the params' grads are dropped.
+    only this rank's shard once reduced (see `FusedCommBuffer`; with hooks, during backward);
+    the params' grads are dropped. Buckets hold `sharding_configs.comm_buffer_size_MB` MB
+    (256 if unset) of params.
     Raises ValueError for `clear_grad(set_to_zero=False)` with release off, at `step()` (on
     every rank) for no grad on any rank or state changed behind its back since it was built
     (`_misuse_rules`), and with comm_overlap as v1 does; RuntimeError if `step()` finds no
@@ -1332,8 +1430,11 @@ class DygraphShardingOptimizerV2(_Sharding):
         self._inner_opt = MixPrecisionOptimizer(optimizer, slices)
         self._expose(self._inner_opt)
         self._comm_buffer_list = []
-        acc_steps = strategy.hybrid_configs["sharding_configs"].accumulate_steps
-        self._build_comm_buffers(acc_steps)
+        sharding_config = strategy.hybrid_configs["sharding_configs"]
+        # [later] Paddle reads comm_buffer_size_MB here: `_build_comm_buffers(acc_steps,
+        # comm_buffer_size_MB * 1024 * 1024)`.
+        self._build_comm_buffers(sharding_config.accumulate_steps,
+                                 _comm_buffer_bytes(sharding_config))
         self._track_grads()
 
     def _track_grads(self):
@@ -1361,6 +1462,7 @@ class DygraphShardingOptimizerV2(_Sharding):
                                      free_grads_in_comm=self._free_grads_in_comm)
             self._comm_buffer_list.append(buffer)
         if self.comm_overlap:  # Paddle's register_reduce_overlap_hook(use_comm=True)
+            share_comm_queue(self._comm_buffer_list)  # free_grads_in_comm: during backward
             self._register_own_hooks(self._comm_buffer_list)
 
     def _own_buffers(self):

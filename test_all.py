@@ -286,6 +286,20 @@ def test_pipeline_sharding_free_grads_in_comm(ranks):
     ranks(4).run(sharding_overlap.free_in_comm_pipeline)
 
 
+def test_sharding_free_in_backward(ranks):
+    """Check free_grads_in_comm (own overlap, 6 buckets, v1 and v2, acc 1 and 4) frees each
+    bucket's unread part right after its collective, during backward while later buckets
+    still fill, with params bitwise equal to release off."""
+    ranks(2).run(sharding_overlap.free_during_backward)
+
+
+def test_sharding_v2_end_of_backward_bytes(ranks):
+    """Check v2 on gloo holds at most G + one bucket (+ 256 KiB) more at the end of backward
+    than before the forward: no full-size collective temporary outlives its collective."""
+    for grad_bytes, bucket, growth in ranks(2).run(sharding_overlap.end_of_backward_bytes):
+        assert grad_bytes > 4_000_000 and len(growth) == 4, (grad_bytes, growth)
+
+
 def test_sharding_own_comm_overlap(ranks):
     """Check sharding's own comm overlap (v1, v2, acc 1 and 4, release off and on) equals one
     process, allocates once per bucket per step and copies nothing at step(), and raises on
@@ -553,6 +567,11 @@ def test_config_errors():
     with pytest.raises(ValueError, match="free_grads_in_comm needs release"):
         HybridStrategy(sharding_configs=DygraphShardingConfig(free_grads_in_comm=True))
     assert DygraphShardingConfig().free_grads_in_comm is False
+    for bad in (0, -1, 1.5, "256", True):
+        with pytest.raises(ValueError, match="comm_buffer_size_MB must be a positive int"):
+            DygraphShardingConfig(comm_buffer_size_MB=bad)
+    assert DygraphShardingConfig(comm_buffer_size_MB=1).comm_buffer_bytes() == 1 << 20
+    assert DygraphShardingConfig().comm_buffer_bytes() == 256 << 20  # Paddle's default
     # Paddle's proto defaults: release is opt-in on both sides
     assert PpConfig().release_gradients is False
     assert DygraphShardingConfig().release_gradients is False
@@ -572,8 +591,9 @@ def _run_json(cmd):
 _TOP_KEYS = {"config", "stages", "phases", "baseline", "modes", "bitwise_equal"}
 _MODE_KEYS = {"losses", "grad_norms", "idle_bytes_allocator", "idle_grad_bytes_counted",
               "peak_bytes", "peak_phase", "phase_bytes", "step_time_s", "step_time_iqr_s",
-              "step_times_s", "param_sha256"}
-_OTHER_MODE_KEYS = _MODE_KEYS | {"idle_grad_bytes_allocator", "step_time_ratio", "bitwise_equal"}
+              "step_times_s", "eval_peak_bytes", "param_sha256"}
+_OTHER_MODE_KEYS = _MODE_KEYS | {"idle_grad_bytes_allocator", "step_time_ratio", "bitwise_equal",
+                                 "eval_peak_lower_bytes"}
 _PHASES = ["step start", "before 1st backward", "after 1st backward", "after last backward",
            "after collectives", "after optimizer step", "after release"]
 
@@ -614,6 +634,11 @@ def test_main_job_json(tmp_path):
     assert all(n > 100_000 for n in off["idle_grad_bytes_counted"])
     for counted, freed in zip(off["idle_grad_bytes_counted"], on["idle_grad_bytes_allocator"]):
         assert abs(freed - counted) <= 0.05 * counted, (freed, counted)
+    # the eval pass after step 5 (--eval-every 5): its peak is lower by the released buffer
+    # (within a quarter of it: the CPU peak is sampled every 0.5 ms over a short pass)
+    assert len(on["eval_peak_lower_bytes"]) == 4
+    for counted, lower in zip(off["idle_grad_bytes_counted"], on["eval_peak_lower_bytes"]):
+        assert abs(lower - counted) <= 0.25 * counted, (lower, counted)
     # Each run is charged for its own bytes only: its params (P bytes, = the buffer bytes
     # counted with release off), AdamW's two states for the half it owns (~P) and, with
     # release off, the buffer (P). Charging one run for the other's would show ~2P more.
@@ -726,6 +751,13 @@ def test_cli_help_and_effective_strategy(capsys):
     strategy = make_strategy(opts, "free")
     assert strategy.sharding_configs.free_grads_in_comm and strategy.pp_configs.release_gradients
     assert strategy.pp_configs.num_virtual_pipeline_stages == 2
+    assert strategy.sharding_configs.comm_buffer_size_MB is None  # defaults: 256 / 128 MB
+    _, opts = relgrad.parse_args(["--peers", "--free-grads-in-comm", "--comm-buffer-mb", "1"])
+    assert make_strategy(opts, "free").sharding_configs.comm_buffer_bytes() == 1 << 20
+    from relgrad_demo import peers
+    assert list(peers.systems(opts)) == ["v2 release off", "v2 release on", "DDP + ZeRO",
+                                         "FSDP2", "v2 release + free-in-comm"]
+    assert len(peers.systems({"modes": ["off", "on"]})) == 4
 
 
 def test_peers_agree(ranks):
@@ -766,6 +798,8 @@ def test_cli_errors():
     for args, message in ((["--pp", "0"], "--pp must be >= 1, got 0"),
                           (["--d-model", "30"], "multiple of the 4 attention heads"),
                           (["--data", "/no/such/file"], "cannot read"),
+                          (["--comm-buffer-mb", "0"], "--comm-buffer-mb must be >= 1"),
+                          (["--eval-every", "-1"], "--eval-every must be >= 0"),
                           (["--pp", "3", "--sharding", "1", "--layers", "0"], "--layers must")):
         done = subprocess.run([sys.executable, "relgrad.py", *args], capture_output=True,
                               text=True, timeout=60, cwd=str(Path(__file__).parent))
@@ -941,3 +975,26 @@ def test_clip_grad_norm_misuse(ranks):
     """Check that clip_grad_norm_ with a bad max_norm or norm_type, twice before a step, or
     beside grad_clip= raises a clear error on every rank, and the optimizer steps afterwards."""
     assert ranks(2).run(loops.clip_grad_norm_misuse) == [True, True]
+
+
+def test_setup_mismatch_raises_on_every_rank(ranks):
+    """Check that ranks building the sharding optimizer differently (lr, torch optimizer,
+    split_param, comm overlap, model width) all raise the same ValueError naming what differs,
+    that models seeded apart start from sharding rank 0's params (as DDP), and that
+    add_param_group under sharding's own overlap raises."""
+    results = ranks(2).run(loops.setup_mismatch)
+    assert len(results) == 2
+    (msgs0, start0), (msgs1, start1) = results
+    assert [n for n, _ in msgs0] == ["lr", "optimizer", "split_param", "overlap", "width"]
+    assert msgs0 == msgs1  # the same text on both ranks
+    for name, text in msgs0:
+        assert "global rank 0" in text and "global rank 1" in text, (name, text)
+    assert "hyper-parameters" in msgs0[0][1] and "torch optimizer" in msgs0[1][1]
+    assert "selects DygraphShardingOptimizer" in msgs0[2][1]
+    assert "params (shape" in msgs0[4][1]
+    assert len(start0) == len(start1) == 6
+    seed0 = [p.detach() for p in loops._mlp(loops.SIZES, seed=0).parameters()]
+    seed1 = [p.detach() for p in loops._mlp(loops.SIZES, seed=1).parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(seed0, seed1))  # they did differ
+    for a, b, want in zip(start0, start1, seed0):
+        assert torch.equal(a, want) and torch.equal(b, want)

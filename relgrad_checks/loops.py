@@ -24,7 +24,7 @@ def _sharded(world, version, overlap, acc, release=True):
 
 
 def _buffers(opt):
-    return list(opt._own_buffers())
+    return opt.comm_buffers  # the public view the README points users to
 
 
 def _micro_batches(rank, world, step, acc):
@@ -128,3 +128,41 @@ def clip_grad_norm_misuse(rank, world):
         clipped.clip_grad_norm_(1.0)
     dist.barrier()
     return True
+
+
+def setup_mismatch(rank, world):
+    """Ranks that build the optimizer differently (lr, torch optimizer, split_param, comm
+    overlap, model width) each raise the same ValueError on every rank; models seeded apart
+    start from sharding rank 0's params; add_param_group under comm_overlap raises."""
+    import pytest
+    messages = []
+    cases = {
+        "lr": lambda: (1e-2 if rank == 0 else 2e-2, torch.optim.AdamW, 2, True, SIZES),
+        "optimizer": lambda: (1e-2, torch.optim.AdamW if rank == 0 else torch.optim.Adam, 2,
+                              True, SIZES),
+        "split_param": lambda: (1e-2, torch.optim.AdamW, (2, 2) if rank == 0 else (1, 2), True,
+                                SIZES),
+        "overlap": lambda: (1e-2, torch.optim.AdamW, 1, rank == 0, SIZES),
+        "width": lambda: (1e-2, torch.optim.AdamW, 2, True, SIZES if rank == 0 else [6, 8, 4]),
+    }
+    for name, case in cases.items():
+        lr, cls, version, overlap, sizes = case()
+        version, config = version if isinstance(version, tuple) else (version, version)
+        strategy = HybridStrategy(sharding_degree=world, sharding_configs=DygraphShardingConfig(
+            split_param=config == 2, comm_overlap=overlap, accumulate_steps=1,
+            release_gradients=True))
+        hcg = HybridCommunicateGroup(strategy)
+        with pytest.raises(ValueError, match="must build it alike") as info:
+            _CLASSES[version](cls(_mlp(sizes).parameters(), lr=lr), hcg, strategy)
+        messages.append((name, str(info.value)))
+    # models seeded apart: every rank starts from sharding rank 0's params
+    strategy = HybridStrategy(sharding_degree=world, sharding_configs=DygraphShardingConfig(
+        comm_overlap=True, release_gradients=True))
+    hcg = HybridCommunicateGroup(strategy)
+    model = _mlp(SIZES, seed=rank)
+    opt = DygraphShardingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hcg, strategy)
+    start = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="add_param_group is not supported with sharding_"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+    dist.barrier()
+    return messages, start

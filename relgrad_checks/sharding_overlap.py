@@ -46,12 +46,18 @@ def _read_part(buf, rank):
     return buf.grad_storage if dist.get_rank() == buf._dst else None
 
 
-def _watch(buf, record, free):
-    """Wrap `buf.scale_grads` (this instance): record the read part right after the collective
-    and, with free, check that the rest is dead and the read part is a storage of its own."""
-    original = buf.scale_grads
+def _watch(buf, record, free, timing=None, buffers=()):
+    """Wrap `buf._complete_comm` (this instance; `scale_grads` or, with free_grads_in_comm,
+    a later check-in calls it): record the read part right after the collective and, with
+    free, check that the rest is dead and the read part is a storage of its own. With
+    `timing` ({"in_backward": bool, "entries": list}), append whether this happened in
+    backward while some bucket of `buffers` was still being filled (no collective issued)."""
+    original = buf._complete_comm
 
-    def scale_grads():
+    def complete_comm():
+        if timing is not None:
+            timing["entries"].append(timing["in_backward"]
+                                     and any(b._task is None for b in buffers))
         full = weakref.ref(buf.grad_storage)
         grads = [weakref.ref(comm_buffer.main_grad_or_grad(p)) for p in buf.params]
         muls, scaled = {name: getattr(torch.Tensor, name) for name in ("mul_", "__mul__")}, []
@@ -70,7 +76,9 @@ def _watch(buf, record, free):
             for name, fn in muls.items():
                 setattr(torch.Tensor, name, fn)
         part = _read_part(buf, buf._comm_group_rank)
-        record.append(None if part is None else part.clone())
+        buf._completions += 1  # keyed: with free the buckets complete in issue order
+        record.append(((buf._watch_index, buf._completions),
+                       None if part is None else part.clone()))
         # only what this rank reads is scaled (Paddle scales the whole buffer)
         assert scaled == ([] if part is None else [part.numel()]), scaled
         if not free:
@@ -88,8 +96,13 @@ def _watch(buf, record, free):
             assert all(v._slice_grad.untyped_storage().data_ptr() == base
                        for v in views if v._has_local)
 
-    buf.scale_grads = scale_grads
+    buf._complete_comm = complete_comm
     buf._comm_group_rank = dist.get_rank(buf._comm_group)
+    buf._watch_index, buf._completions = len(_watched), 0
+    _watched.append(None)
+
+
+_watched = []  # one entry per watched buffer: gives each its index (the same order per run)
 
 
 def _train_own(hcg, version, strategy, steps=3, batch=24, watch=None, free=False,
@@ -286,10 +299,20 @@ def free_in_comm(rank, world):
 
 
 def _assert_same_runs(parts, trajs, buckets=True):
+    """Same read parts per (bucket, completion) and same params; `parts[free]` lists
+    ((bucket watch index, n-th completion), part) pairs."""
     assert len(parts[False]) == len(parts[True]) and (len(parts[True]) > 0) == buckets
-    for a, b in zip(parts[False], parts[True]):
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
-    assert any(a is not None for a in parts[True]) == buckets
+    # both runs watched their buckets in the same order: shift the indices to start at 0
+    keyed = {}
+    for free, pairs in parts.items():
+        first = min((key[0] for key, _ in pairs), default=0)
+        keyed[free] = {(key[0] - first, key[1]): part for key, part in pairs}
+        assert len(keyed[free]) == len(pairs)
+    assert keyed[False].keys() == keyed[True].keys()
+    for key, a in keyed[False].items():
+        b = keyed[True][key]
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), key
+    assert any(a is not None for a in keyed[True].values()) == buckets
     _assert_bitwise(trajs[False], trajs[True])
 
 
@@ -340,3 +363,100 @@ def _train_pipe(hcg, version, strategy, record, free, steps=3, mbs=2):
         model._optimizer_step()
         traj.append([p.detach().clone() for p in model.parameters()])
     return traj
+
+
+class _SmallBucketsV1(DygraphShardingOptimizer):
+    """v1 with 1-byte buckets under comm_overlap: one bucket per param."""
+
+    def _build_owner_buffers(self, acc_steps, group_size=None):
+        super()._build_owner_buffers(acc_steps, group_size=1)
+
+
+class _OneParamBucketsV2(DygraphShardingOptimizerV2):
+    """v2 with 1-byte buckets: one bucket per param."""
+
+    def _build_comm_buffers(self, acc_steps, group_size=None):
+        super()._build_comm_buffers(acc_steps, group_size=1)
+
+
+def free_during_backward(rank, world):
+    """Own overlap, v1 and v2, acc 1 and 4, 6 buckets: with free_grads_in_comm each bucket's
+    collective completes, and what this rank will not read is dead (weakref), during the
+    last backward while later buckets are still being filled (all but the last two); the
+    read parts and the params equal release off bitwise."""
+    hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
+    for version, cls in ((1, _SmallBucketsV1), (2, _OneParamBucketsV2)):
+        for acc in (1, 4):
+            parts, trajs, timings = {}, {}, {}
+            for free in (False, True):
+                parts[free], timings[free] = [], {"in_backward": False, "entries": []}
+                st = _own_strategy(world, acc, release=free, free=free)
+                st.sharding_configs.split_param = version == 2
+                trajs[free] = _train_watched(hcg, cls, st, parts[free], timings[free], free)
+            _assert_same_runs(parts, trajs)
+            for free, timing in timings.items():
+                timing = timing["entries"]
+                buckets = len(timing) // 3  # 3 steps, one completion per bucket and step
+                assert buckets >= 6 and len(timing) == 3 * buckets, (version, acc, timing)
+                for step in range(3):
+                    early = sum(timing[step * buckets : (step + 1) * buckets])
+                    # release off completes at step(); free: at least all but the last two
+                    # while later buckets still fill (issuing bucket k waits for k - 1)
+                    assert (early >= buckets - 2) if free else early == 0, (
+                        version, acc, free, timing)
+    return "ok"
+
+
+def _train_watched(hcg, cls, strategy, record, timing, free, steps=3, batch=24):
+    """`_train_own` on a 6-param MLP with every bucket watched (`_watch` with timing)."""
+    group_rank, nranks = dist.get_rank(), dist.get_world_size()
+    acc = strategy.sharding_configs.accumulate_steps
+    model = _mlp([6, 16, 16, 4])
+    opt = cls(OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
+    buffers = opt._own_buffers()
+    for buf in buffers:
+        _watch(buf, record, free, timing, buffers)
+    traj = []
+    for step in range(steps):
+        x, y = (t.chunk(nranks)[group_rank] for t in _data(step, batch, *_io(model)))
+        for xb, yb in zip(x.chunk(acc), y.chunk(acc)):
+            loss = F.mse_loss(model(xb), yb) / acc
+            timing["in_backward"] = True
+            loss.backward()
+            timing["in_backward"] = False
+        opt.step()
+        opt.zero_grad(set_to_none=strategy.pp_configs.release_gradients)
+        traj.append([p.detach().clone() for p in model.parameters()])
+    return traj
+
+
+def end_of_backward_bytes(rank, world):
+    """v2 on gloo, own overlap, release on, acc 1, 1 MB buckets: the allocator's bytes right
+    after backward exceed those before the forward by at most G + one bucket + 256 KiB (G the
+    grad buffers' bytes): no collective temporary of a bucket's size outlives its collective.
+    Returns (G, bucket bytes, the measured growth per step)."""
+    from relgrad_demo.memory import allocator_in_use_bytes
+    st = _own_strategy(world, 1, True)
+    st.sharding_configs.split_param = True
+    st.sharding_configs.comm_buffer_size_MB = 1
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])  # 1.05 M params
+    hcg = HybridCommunicateGroup(st)
+    opt = DygraphShardingOptimizerV2(OPTIMIZERS["adam"](model.parameters()), hcg, st)
+    buffers = opt._own_buffers()
+    grad_bytes = sum(b.buffer_size * 4 for b in buffers)
+    bucket = max(b.buffer_size * 4 for b in buffers)
+    assert len(buffers) >= 4 and bucket <= 1024 * 1024 + 512 * 4 * 2, (len(buffers), bucket)
+    cpu = torch.device("cpu")
+    growth = []
+    for step in range(4):
+        x = torch.randn(2, 512, generator=torch.Generator().manual_seed(step))
+        before = allocator_in_use_bytes(cpu)
+        model(x).square().mean().backward()
+        growth.append(allocator_in_use_bytes(cpu) - before)
+        opt.step()
+        opt.zero_grad()
+    assert len(growth) == 4
+    for g in growth[1:]:  # step 1 also builds AdamW's state
+        assert g <= grad_bytes + bucket + 256 * 1024, (g, grad_bytes, bucket)
+    return grad_bytes, bucket, growth

@@ -6,8 +6,10 @@ while the machine's load drifts. Each run's bytes come from the allocator by dif
 (`memory.Ledger`), so a run is not charged for the others. Per step and run it records the
 loss, the bytes held between steps, our own count of grad bytes, the peak during the step, the
 step's wall time and, for the latest step, the bytes at each phase boundary
-(`phases.PHASES`). The runs see the same data and start from the same weights, so release off
-and on must end bitwise equal.
+(`phases.PHASES`); after every `--eval-every` steps, the peak of an eval pass (forward only, no
+grad, a larger batch), where the bytes a run holds between steps decide the peak. The runs
+see the same data and start from the same weights, so release off and on must end bitwise
+equal.
 
 To add a mode: one line in MODES (the config fields it sets) and one flag in relgrad.py that
 appends its name to `opts["modes"]`. A layout rule (which overlap runs where) is one line in
@@ -57,7 +59,8 @@ def make_strategy(opts, mode="off"):
                              "num_virtual_pipeline_stages": opts.get("vpp", 1)},
               "sharding_configs": {"split_param": opts["split_param"],
                                    "comm_overlap": overlap and sharding > 1 and pp == 1,
-                                   "accumulate_steps": opts["micro_batches"]}}
+                                   "accumulate_steps": opts["micro_batches"],
+                                   "comm_buffer_size_MB": opts.get("comm_buffer_mb")}}
     for key, value in MODES[mode].items():
         section, name = key.split(".")
         fields[section][name] = value
@@ -109,6 +112,16 @@ class PipelineRun:
         return self.model.train_batch((x, y), self.optimizer,
                                       grad_clip=None if sharded else self.grad_clip)
 
+    def eval(self, x, y):
+        """Forward only, no grad (`eval_batch`), on a batch larger than a training one
+        (`accumulate_steps` micro-batches of any equal size); returns the loss."""
+        saved = self.model.micro_batch_size
+        self.model.micro_batch_size = None  # batch / accumulate_steps per micro-batch
+        try:
+            return self.model.eval_batch((x, y))
+        finally:
+            self.model.micro_batch_size = saved
+
     def grad_norm(self):
         """The global grad norm before clipping in the latest step (float; None: no clip)."""
         return None if self.grad_clip is None else float(self.grad_clip.global_norm)
@@ -142,8 +155,13 @@ class PipelineRun:
         return out
 
 
-def measure(builders, steps, batch, device, recorder):
+def measure(builders, steps, batch, device, recorder, eval_batch=None, eval_every=0):
     """Build every run, then train them in turns for `steps` steps; return (runs, measures).
+
+    With `eval_every` N > 0 and `eval_batch(step)` -> (x, y), after every N-th step each run
+    also runs `eval(x, y)` (forward only, no grad, a larger batch, as the seed's "every
+    forward, eval and checkpoint" puts it), measured as a step is: `eval_peak` (bytes, per
+    eval) and `eval_idle` (bytes held right before it).
 
     `builders`: name -> `build(ledger, recorder, tid)` returning a run with `step(x, y)`
     (returns the loss), `params()`, and optionally `phase_bytes()`, `counted_grad_bytes()`,
@@ -161,7 +179,7 @@ def measure(builders, steps, batch, device, recorder):
         runs[name] = build(ledger, recorder, tid)
         out[name] = {"built": ledger.end(), "losses": [], "grad_norms": [], "idle": [],
                      "counted": [], "peak": [], "peak_phase": [], "time": [],
-                     "phases": None}
+                     "phases": None, "eval_peak": [], "eval_idle": []}
     names = list(runs)
     for step in range(steps):
         x, y = batch(step)
@@ -186,11 +204,23 @@ def measure(builders, steps, batch, device, recorder):
                                 if hasattr(run, "counted_grad_bytes") else None)
             if hasattr(run, "phase_bytes"):
                 m["phases"] = run.phase_bytes()
+        if eval_every and step % eval_every == eval_every - 1:
+            x, y = eval_batch(step)
+            for name in names if step % 2 == 0 else names[::-1]:
+                run, ledger, m = runs[name], ledgers[name], out[name]
+                m["eval_idle"].append(ledger.held)
+                ledger.begin()
+                with PeakSampler(ledger) as peak:
+                    float(run.eval(x, y))
+                ledger.end()
+                m["eval_peak"].append(peak.peak)
     return runs, out
 
 
-def warm_up_then_measure(builders, steps, batch, device, trace):
-    """`measure` after two discarded one-step rounds of the same runs; returns the same.
+def warm_up_then_measure(builders, steps, batch, device, trace, eval_batch=None,
+                         eval_every=0):
+    """`measure` after two discarded one-step rounds of the same runs (each with an eval, if
+    `eval_every`); returns the same.
 
     A process's first runs keep tens of MB for good (gloo pairs, autograd and kernel state)
     and its second some 30 KB more: the warm-up rounds keep that out of the measured runs.
@@ -199,12 +229,13 @@ def warm_up_then_measure(builders, steps, batch, device, trace):
     are not collected, the runs' own garbage still is).
     """
     for _ in range(2):
-        measure(builders, 1, batch, device, Recorder(False))
+        measure(builders, 1, batch, device, Recorder(False), eval_batch, min(eval_every, 1))
     gc.collect()
     gc.freeze()
     try:
         recorder = Recorder(trace)
-        runs, measures = measure(builders, steps, batch, device, recorder)
+        runs, measures = measure(builders, steps, batch, device, recorder, eval_batch,
+                                 eval_every)
     finally:
         gc.unfreeze()
     return runs, measures, recorder
@@ -227,7 +258,8 @@ def train_job(rank, world_size, opts):
                               len(corpus.vocab), device) for mode in opts["modes"]}
     runs, measures, recorder = warm_up_then_measure(
         builders, opts["steps"], lambda step: corpus.batch(step, replica, replicas, device),
-        device, opts.get("trace") is not None)
+        device, opts.get("trace") is not None, partial(_eval_batch, corpus, replica, replicas,
+                                                        device), opts.get("eval_every", 0))
     base = opts["modes"][0]
     equal = {mode: measures[mode]["losses"] == measures[base]["losses"]
              and measures[mode]["grad_norms"] == measures[base]["grad_norms"]
@@ -250,6 +282,16 @@ def params_sha256(params):
     for p in params:
         digest.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
+
+
+EVAL_BATCHES = 4  # an eval batch is this many training batches
+
+
+def _eval_batch(corpus, replica, replicas, device, step):
+    """A held-out-seeded batch EVAL_BATCHES times a training batch: (x, y) int64."""
+    parts = [corpus.batch(10**6 + step * EVAL_BATCHES + k, replica, replicas, device)
+             for k in range(EVAL_BATCHES)]
+    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
 
 def optimizer_name(optimizer):

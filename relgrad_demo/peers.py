@@ -4,7 +4,8 @@ Trains the same LM on the same data with sharding 2 and no pipeline (2 processes
 of every batch, `micro_batches` micro-batches per step) under every system in `SYSTEMS`: this
 repo's sharding v2 with release off and on (PipelineParallel with one stage), torch's
 DistributedDataParallel(gradient_as_bucket_view=True) + ZeroRedundancyOptimizer(AdamW), and
-FSDP2 (`fully_shard` on every layer and the root). The runs live side by side and train in
+FSDP2 (`fully_shard` on every layer and the root); with `--free-grads-in-comm` also v2 with
+release + free_grads_in_comm (`FREE_SYSTEM`). The runs live side by side and train in
 turns (`job.measure`), so the figures are the allocator's, each run's own, and the step times
 are paired. All start from the same weights; the losses and final params are compared with
 v2 off's: DDP + ZeRO computes the same sums in the same order (bitwise equal expected), FSDP2
@@ -148,6 +149,16 @@ SYSTEMS = {
     "DDP + ZeRO": DdpZeroRun,
     "FSDP2": Fsdp2Run,
 }
+# With --free-grads-in-comm: a fifth row, each bucket's unread part freed during backward.
+FREE_SYSTEM = ("v2 release + free-in-comm", partial(_v2, "free"))
+
+
+def systems(opts):
+    """The systems `opts` asks for: SYSTEMS, plus FREE_SYSTEM when "free" is in its modes."""
+    chosen = dict(SYSTEMS)
+    if "free" in opts.get("modes", ()):
+        chosen[FREE_SYSTEM[0]] = FREE_SYSTEM[1]
+    return chosen
 
 
 def peers_job(rank, world_size, opts):
@@ -162,7 +173,7 @@ def peers_job(rank, world_size, opts):
     device = torch.device(opts.get("device") or "cpu")
     corpus = Corpus(opts)
     ctx = Context(opts, len(corpus.vocab), device)
-    builders = {name: partial(build, ctx) for name, build in SYSTEMS.items()}
+    builders = {name: partial(build, ctx) for name, build in systems(opts).items()}
     runs, measures, recorder = warm_up_then_measure(
         builders, opts["steps"], lambda step: corpus.batch(step, rank, world_size, device),
         device, opts.get("trace") is not None)
@@ -246,7 +257,8 @@ def print_report(summary, steps=True):
           f"bytes = {config['grad_bytes'] / 1024:,.1f} KiB; bytes: the allocator's, the larger "
           "rank's,\nabove each run's start; step time: per-step ratio to the baseline (runs in "
           "turns), median (middle half)")
-    print(f"{'system':<15} | {'between steps':>13} | {'peak':>6} | {'step time':>16} | "
+    width = max(15, *map(len, systems))
+    print(f"{'system':<{width}} | {'between steps':>13} | {'peak':>6} | {'step time':>16} | "
           f"vs {base}: loss, params")
     for name, v in systems.items():
         ratio = v["step_time_ratio"]
@@ -254,7 +266,7 @@ def print_report(summary, steps=True):
                      f"{ratio['median']:.2f} ({ratio['iqr'][0]:.2f}-{ratio['iqr'][1]:.2f})")
         agree = ("-" if name == base else "bitwise equal" if v["bitwise_equal"] else
                  f"max |diff| {v['loss_max_abs_diff']:.1e}, {v['param_max_abs_diff']:.1e}")
-        print(f"{name:<15} | {_g(v['idle_G']):>13} | {_g(v['peak_G']):>6} | {time_text:>16} | "
+        print(f"{name:<{width}} | {_g(v['idle_G']):>13} | {_g(v['peak_G']):>6} | {time_text:>16} | "
               f"{agree}")
     for name, v in systems.items():
         if v["step_time_ratio"] is not None:

@@ -2,10 +2,10 @@
 
 `PipelineProbe` watches a `PipelineParallel` and its optimizer from outside, without touching
 the library: it wraps a few of their methods on the instance (`_forward_step`, `_backward_step`,
-`_p2p`, `_optimizer_step`, each comm buffer's `_comm_grads` / `scale_grads`, the optimizer's
-`reduce_gradients` / `step`). At each boundary in `PHASES` it reads the run's bytes from its
-`Ledger`; each wrapped call is also a span for the trace. With release on, the picture is the
-feature: the grad buffer appears at the first backward and is gone after the step.
+`_p2p`, `_optimizer_step`, each comm buffer's `_comm_grads` / `scale_grads` / `_complete_comm`,
+the optimizer's `reduce_gradients` / `step`). At each boundary in `PHASES` it reads the run's
+bytes from its `Ledger`; each wrapped call is also a span for the trace. With release on, the
+picture is the feature: the grad buffer appears at the first backward and is gone after the step.
 """
 import time
 
@@ -74,6 +74,8 @@ class PipelineProbe:
                 self._wrap(buffer, "_comm_grads", f"issue {name}")
                 self._wrap(buffer, "scale_grads", f"wait+scale {name}",
                            lambda *a: self._enter("comm"), after=lambda *a: self._mark(4))
+                # free_grads_in_comm: a bucket may complete (scale, free) during backward
+                self._wrap(buffer, "_complete_comm", f"complete {name}")
         self.phase = "forward"
         self._mark(0)
 

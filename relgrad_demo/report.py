@@ -23,6 +23,9 @@ lists marked "per rank" are indexed by global rank):
                                step and release; null where unknown, e.g. on GPU)
       phase_bytes              per rank: bytes at each of `phases` in the last step (null:
                                no such boundary in this layout)
+      eval_peak_bytes          per rank: highest bytes during an eval pass between steps
+                               (forward only, no grad, a larger batch; --eval-every), the
+                               highest over the evals; null without evals
       step_time_s              median wall time of a step (slowest rank), after step 1
       step_time_iqr_s          [first, third] quartile of the same
       step_times_s             per step, the slowest rank's wall time
@@ -30,6 +33,8 @@ lists marked "per rank" are indexed by global rank):
       (other modes only, against the baseline:)
       idle_grad_bytes_allocator  per rank: baseline's idle_bytes_allocator minus this mode's:
                                  the grad bytes this mode frees between steps
+      eval_peak_lower_bytes    per rank: baseline's eval_peak_bytes minus this mode's (null
+                               without evals)
       step_time_ratio          per step this mode's time / the baseline's (interleaved):
                                {"median", "iqr", "steps", "verdict"}
       bitwise_equal            losses, grad norms and final params equal the baseline's
@@ -38,7 +43,7 @@ lists marked "per rank" are indexed by global rank):
 import dataclasses
 import statistics
 
-from relgrad_demo.job import MODES, make_strategy
+from relgrad_demo.job import EVAL_BATCHES, MODES, make_strategy
 from relgrad_demo.phases import PHASES
 
 WIDE = 0.2  # a ratio's middle half wider than this, spanning 1.0, decides nothing
@@ -124,6 +129,7 @@ def summarize(results, opts):
             "peak_bytes": [_max(m["peak"]) for m in ms],
             "peak_phase": [_phase_of_max(m["peak"], m["peak_phase"]) for m in ms],
             "phase_bytes": [m["phases"] for m in ms],
+            "eval_peak_bytes": [_max(m["eval_peak"]) if m["eval_peak"] else None for m in ms],
             "step_time_s": median, "step_time_iqr_s": [q1, q3], "step_times_s": times[mode],
             "param_sha256": [m["param_sha256"] for m in ms],
         }
@@ -131,6 +137,9 @@ def summarize(results, opts):
             entry["idle_grad_bytes_allocator"] = [
                 None if None in (b, m) else b - m
                 for b, m in zip(modes[base]["idle_bytes_allocator"], entry["idle_bytes_allocator"])]
+            entry["eval_peak_lower_bytes"] = [
+                None if None in (b, m) else b - m
+                for b, m in zip(modes[base]["eval_peak_bytes"], entry["eval_peak_bytes"])]
             entry["step_time_ratio"] = time_ratio(times[mode][after1], times[base][after1],
                                                   mode, base)
             entry["bitwise_equal"] = all(r["equal"][mode] for r in ranks)
@@ -231,6 +240,17 @@ def _print_phases(summary, names):
                 cells.append("".join(f"{'-' if v is None or v[p] is None else kib(v[p], 0):>7}"
                                      for v in values))
             print(f"{phase:<20}" + "".join(" | " + c for c in cells))
+        cells = ["".join(f"{kib(modes[m]['eval_peak_bytes'][r], 0):>7}" for m in names)
+                 for r in chunk]
+        print(f"{'eval (peak)':<20}" + "".join(" | " + c for c in cells))
+    lowers = {m: modes[m]["eval_peak_lower_bytes"] for m in names[1:]}
+    lowers = {m: v for m, v in lowers.items() if None not in v}
+    if lowers:
+        print(f"eval (peak): during the eval pass between steps (forward only, no grad, a "
+              f"batch {EVAL_BATCHES} times a\ntraining one), peak KiB lower than "
+              f"{names[0]}'s:")
+        for m, lower in lowers.items():
+            print(f"  {m}: " + ", ".join(f"rank {r} {kib(v)}" for r, v in enumerate(lower)))
 
 
 def _print_times(modes, base, others):
