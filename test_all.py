@@ -177,11 +177,13 @@ def test_failing_rank_ends_all():
 
 
 def test_hang_fails_on_timeout():
-    """Check the demo's launcher: a rank stuck waiting for a peer fails at the timeout."""
+    """Check the demo's launcher: a rank stuck waiting for a live peer fails at the timeout."""
     start = time.monotonic()
-    with pytest.raises((TimeoutError, mp.ProcessRaisedException)):
-        launch(pipe._hanging_worker, 2, timeout=8)
-    assert time.monotonic() - start < 40
+    with pytest.raises(TimeoutError, match="2 ranks of _hanging_worker still running after 8 s; "
+                                           "killed them all"):
+        launch(pipe._hanging_worker, 2, timeout=8)  # the peer lives 60 s: only the timeout ends it
+    elapsed = time.monotonic() - start
+    assert 8 <= elapsed < 40, elapsed
 
 
 # ---------------------------------------------------------------- comm_buffer.py
@@ -343,7 +345,8 @@ def test_contract_add_param_group(ranks):
 
 
 def test_contract_optimizer_hooks(ranks):
-    """Check torch's step and state_dict / load_state_dict hooks run on the wrappers."""
+    """Check torch's step and state_dict / load_state_dict hooks run on the wrappers, and what
+    a pre-hook hands back is what loads (the lr it swaps in drives the next step)."""
     ranks(2).run(contract.hooks)
 
 
@@ -446,7 +449,7 @@ def test_pipeline_pp_only(ranks, delay_scale_loss):
 
 
 def test_pipeline_loss_scaled_once(ranks):
-    """Check 4 micro-batches of 1 sample give the grads of 1 micro-batch of 4."""
+    """Check 4 micro-batches of 1 sample and 1 of 4 give each stage one process's grads."""
     ranks(2).run(pipe.loss_scaled_once)
 
 
@@ -588,7 +591,7 @@ def _run_json(cmd):
 _TOP_KEYS = {"config", "stages", "phases", "baseline", "modes", "bitwise_equal"}
 _MODE_KEYS = {"losses", "grad_norms", "idle_bytes_allocator", "idle_grad_bytes_counted",
               "peak_bytes", "peak_phase", "phase_bytes", "step_time_s", "step_time_iqr_s",
-              "step_times_s", "eval_peak_bytes"}
+              "step_times_s", "eval_peak_bytes", "param_sha256"}
 _OTHER_MODE_KEYS = _MODE_KEYS | {"idle_grad_bytes_allocator", "step_time_ratio", "bitwise_equal",
                                  "eval_peak_lower_bytes"}
 _PHASES = ["step start", "before 1st backward", "after 1st backward", "after last backward",
@@ -603,7 +606,7 @@ def _check_schema(result, world, steps):
     for mode in result["modes"].values():
         assert len(mode["losses"]) == len(mode["step_times_s"]) == steps
         for key in ("idle_bytes_allocator", "idle_grad_bytes_counted", "peak_bytes",
-                    "phase_bytes"):
+                    "peak_phase", "phase_bytes", "param_sha256"):
             assert len(mode[key]) == world, key
         assert all(len(p) == len(_PHASES) for p in mode["phase_bytes"])
         assert all(p in ("forward", "backward", "comm", "step") for p in mode["peak_phase"])
@@ -686,21 +689,34 @@ def _check_trace(trace, world, micro_batches):
 
 def test_torchrun_json():
     """Check `relgrad.py` joins a torchrun job (the several-machines path) and reports the
-    effective config: pp 2 without sharding or dp has no overlap and no fused buffers."""
+    effective config: pp 2 without sharding or dp has no overlap and no fused buffers; release
+    on and off train to the same losses and params, and off holds an fp32 grad per param."""
     result = _run_json([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "2", "relgrad.py", "--json", "--pp", "2",
                         "--sharding", "1", "--steps", "3", "--layers", "2", "--block", "32"])
     _check_schema(result, 2, 3)
-    assert result["bitwise_equal"] is True and result["stages"] == [0, 1]
-    assert result["modes"]["on"]["idle_grad_bytes_counted"] == [0, 0]
-    assert all(n > 0 for n in result["modes"]["off"]["idle_grad_bytes_counted"])
+    off, on = result["modes"]["off"], result["modes"]["on"]
+    assert result["stages"] == [0, 1]
+    # release on == off, read from the two runs' own figures (not the demo's verdict)
+    assert len(off["losses"]) == 3 and off["losses"] == on["losses"]
+    assert len(set(off["losses"])) == 3, off["losses"]  # it trained: 3 different losses
+    assert off["grad_norms"] == on["grad_norms"]
+    assert len(off["param_sha256"]) == 2 and off["param_sha256"] == on["param_sha256"]
+    assert off["param_sha256"][0] != off["param_sha256"][1]  # each stage its own params
+    assert result["bitwise_equal"] is True
+    # off keeps one fp32 grad per param between steps (4 bytes each), on none
     config = result["config"]
+    assert config["model"]["dtype"] == "float32" and config["model"]["params"] > 0
+    assert sum(off["idle_grad_bytes_counted"]) == 4 * config["model"]["params"]
+    assert all(n > 0 for n in off["idle_grad_bytes_counted"])
+    assert on["idle_grad_bytes_counted"] == [0, 0]
     assert not config["pp_configs"]["sharding_comm_overlap"]
     assert not config["pp_configs"]["dp_comm_overlap"]
     assert config["fused_buffers"] == [[], []] and config["optimizer"] == "AdamW"
     assert ".grad" in config["release_frees"]
     after_collectives = _PHASES.index("after collectives")
-    assert all(p[after_collectives] is None for p in result["modes"]["off"]["phase_bytes"])
+    assert len(off["phase_bytes"]) == 2
+    assert all(p[after_collectives] is None for p in off["phase_bytes"])
 
 
 def test_cli_help_and_effective_strategy(capsys):
@@ -746,8 +762,8 @@ def test_cli_help_and_effective_strategy(capsys):
 
 def test_peers_agree(ranks):
     """Check --peers' systems on one tiny LM: DDP + ZeRO bitwise equal to sharding v2, FSDP2
-    within 1e-6, v2 with release holding about the grad bytes less between steps; and the
-    --peers --json schema."""
+    within 1e-6, v2's release returning its buffer's bytes to the allocator, and v2 with
+    release holding that buffer less between steps; and the --peers --json schema."""
     from relgrad_demo import peers
     results = ranks(2).run(demo_peers.peers_agree)
     summary = peers.summarize(results, demo_peers.OPTS)
@@ -762,10 +778,18 @@ def test_peers_agree(ranks):
     assert all(set(v) == keys for v in systems.values())
     assert systems["v2 release off"]["step_time_ratio"] is None
     assert systems["DDP + ZeRO"]["bitwise_equal"] is True
-    # between steps release frees the grads (FSDP2's own figure is mostly bookkeeping at this
-    # size: the full-size run shows it sharding the params too)
-    off, on = (systems[n]["idle_G"] for n in ("v2 release off", "v2 release on"))
-    assert on < off - 0.8, (off, on)
+    # Between steps (the demo's figure: median after step 1, per rank) "off" holds the buffer
+    # that "on" frees at each release: at least its bytes, less a page. No upper bound here:
+    # this figure, read for one run while the other runs live in the same process, drifts
+    # upward by up to ~15 KiB on a loaded machine (others' allocations land in its window);
+    # what the release returns is bounded exactly, around the release (demo_peers.py).
+    off, on = (systems[n]["idle_bytes_allocator"] for n in ("v2 release off", "v2 release on"))
+    assert len(off) == len(on) == len(results) == 2
+    for rank, result in enumerate(results):
+        released = result["released"]
+        assert len(released) > 0
+        nbytes = released[-1][0]
+        assert off[rank] - on[rank] >= nbytes - 4096, (rank, off[rank] - on[rank], nbytes)
     peers.print_report(summary)
 
 

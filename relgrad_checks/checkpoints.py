@@ -17,8 +17,10 @@ from comm_buffer import global_rank, register_main_grad_hooks
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _data, _mlp, _mse, _pipe_layers,
-                                   _strategy)
+from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_bitwise,
+                                   _assert_close_each, _assert_moved, _data, _main_grad_oracle,
+                                   _mlp, _mse, _pipe_layers, _strategy)
+from relgrad_checks.pipe import _pipe_oracle, _stage_slice
 
 SIZES, BATCH = [20, 24, 4], 12
 VERSIONS = {1: DygraphShardingOptimizer, 2: DygraphShardingOptimizerV2}
@@ -70,12 +72,11 @@ def _one_process(steps, bf16=False):
 
 
 def _close(got, want):
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    _assert_close_each(got, want, rtol=1e-5, atol=1e-6)
 
 
 def _equal(got, want):
-    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    _assert_bitwise(got, want)
 
 
 def _same_dict(a, b):
@@ -105,9 +106,13 @@ def _resume(version, topology, saved):
 
 def _assert_no_grads(model, opt):
     slices = list(getattr(opt, "_slice_params", {}).values())
-    for p in list(model.parameters()) + slices:
+    params = list(model.parameters()) + slices
+    assert len(params) > 0
+    for p in params:
         assert p.grad is None and getattr(p, "main_grad", None) is None
-    assert all(b.grad_storage is None for b in getattr(opt, "_comm_buffer_list", []))
+    buffers = getattr(opt, "_comm_buffer_list", None)  # v2's (built with it, no pipeline)
+    assert buffers is None or len(buffers) > 0
+    assert all(b.grad_storage is None for b in buffers or [])
 
 
 def _save_on_rank0(obj, path):
@@ -116,26 +121,47 @@ def _save_on_rank0(obj, path):
     dist.barrier()
 
 
+def _bf16_reference(steps):
+    """bf16 with fp32 main grads and masters: one process summing the two replicas' main
+    grads as 2 sharding ranks do (`_main_grad_oracle`); its MixPrecisionOptimizer after
+    `steps` steps. Its masters all moved from the start."""
+    def batches(step):
+        x, y = (t.to(torch.bfloat16).chunk(2) for t in _data(step, BATCH, 20, 4))
+        return [[(x[r], y[r])] for r in range(2)]
+
+    _, traj, opt = _main_grad_oracle(lambda: _mlp(SIZES, seed=5).to(torch.bfloat16), "adam",
+                                     steps, batches)
+    _assert_moved([opt.state_dict()["masters"]],
+                  [p.detach().float() for p in _mlp(SIZES, seed=5).to(torch.bfloat16)
+                   .parameters()])
+    return opt
+
+
 def _check_consolidated(full, oracle_opt, bf16):
-    """The consolidated dict is torch's one-process format, close to the oracle's state."""
+    """The consolidated dict is torch's one-process format, equal to the oracle's state:
+    fp32 close to one process on the whole batch; bf16 bitwise equal (state and fp32
+    masters) to one process summing as the ranks do (`_bf16_reference`)."""
     want = oracle_opt.state_dict()
     want = want["inner"] if bf16 else want  # MixPrecision: the inner torch optimizer's
     assert sorted(full["state"]) == sorted(want["state"]) == [0, 1, 2, 3]
     assert [g["params"] for g in full["param_groups"]] == [[0, 1, 2, 3]]
     assert full["param_groups"][0]["lr"] == want["param_groups"][0]["lr"]
     for i, entries in want["state"].items():
-        assert entries.keys() == full["state"][i].keys()
+        assert entries.keys() == full["state"][i].keys() and len(entries) == 3  # Adam's
         for name, v in entries.items():
             assert full["state"][i][name].shape == v.shape
-            # bf16: the forward's rounding differs with the batch split; only the scale holds
-            atol = 0.1 * float(v.abs().max()) if bf16 else 1e-6
-            torch.testing.assert_close(full["state"][i][name], v, rtol=1e-4, atol=atol)
+            if bf16:
+                assert torch.equal(full["state"][i][name].float(), v.float()), (i, name)
+            else:
+                # atol on the entry's own scale: exp_avg_sq is ~1e-5 here, a fixed 1e-6 is 10%
+                torch.testing.assert_close(full["state"][i][name], v, rtol=1e-4,
+                                           atol=1e-5 * float(v.abs().max()))
     if bf16:
         masters = oracle_opt.state_dict()["masters"]
-        assert sorted(full["master_weights"]) == [0, 1, 2, 3]
+        assert sorted(full["master_weights"]) == [0, 1, 2, 3] and len(masters) == 4
         for i, m in enumerate(masters):
             assert full["master_weights"][i].dtype == torch.float32
-            torch.testing.assert_close(full["master_weights"][i], m, rtol=0, atol=2e-3)
+            assert torch.equal(full["master_weights"][i], m), i
     else:
         assert "master_weights" not in full
 
@@ -156,7 +182,8 @@ def save_on_two(rank, world, folder):
             if not bf16:  # for load_on_three
                 torch.save(own, os.path.join(folder, f"own_v{version}_{rank}.pt"))
             if rank == 0:
-                _check_consolidated(saved["optim"], _one_process(2, bf16)[1], bf16)
+                _check_consolidated(saved["optim"], _bf16_reference(2) if bf16
+                                    else _one_process(2)[1], bf16)
             else:
                 assert saved["optim"] is None
             path = os.path.join(folder, f"two_v{version}{'_bf16' * bf16}.pt")
@@ -235,9 +262,12 @@ def load_from_three(rank, world, folder):
 
 
 def pipeline_resume(rank, world):
-    """pp 2 x sharding 2, sharding comm overlap: each stage consolidates after 2 batches; a
-    fresh pipeline loads it before its first train_batch (v2 cuts it once the pipeline has
-    built its buffers) and its 2 more batches equal the uninterrupted run bitwise."""
+    """pp 2 x sharding 2, sharding comm overlap: each stage consolidates after 2 batches (Adam
+    at step 2 for every param); a fresh pipeline loads it before its first train_batch (v2
+    cuts it once the pipeline has built its buffers: its state is empty until then) and is at
+    step 3 after one batch; its 2 more batches equal the uninterrupted run bitwise and one
+    process training 4 steps on the whole batch."""
+    _, oracle = _pipe_oracle("adam", 4, 8)
     for version in (1, 2):
         strategy = _strategy(pp=2, sharding=2, acc=2, release=True, split_param=version == 2,
                              sharding_comm_overlap=True)
@@ -257,17 +287,29 @@ def pipeline_resume(rank, world):
                 model.train_batch((x, y), opt)
             return [p.detach().clone() for p in model.parameters()]
 
+        def steps_of(state):  # Adam's step count of every param this rank holds state for
+            assert len(state) > 0, "no optimizer state"
+            return {float(entries["step"]) for entries in state.values()}
+
         model, opt = build()
         train(model, opt, range(2))
         saved = [copy.deepcopy(model.state_dict()), opt.consolidate_state_dict(to=0)]
         dist.broadcast_object_list(saved, src=global_rank(group, 0), group=group)  # "the file"
+        assert len(saved[1]["state"]) == len(list(model.parameters())) > 0
+        assert steps_of(saved[1]["state"]) == {2.0}
         want = train(model, opt, range(2, 4))
         model, opt = build()
         model.load_state_dict(saved[0])
         opt.load_state_dict(saved[1])
-        assert all(float(s["step"]) == 2 for s in opt.state.values()) and (
-            (len(opt.state) == 0) == (version == 2))  # v2: no slices before the buffers
-        _equal(train(model, opt, range(2, 4)), want)
+        if version == 1:
+            assert steps_of(opt.state) == {2.0}
+        else:  # v2: no slices before the pipeline builds the buffers
+            assert len(opt.state) == 0
+        train(model, opt, range(2, 3))
+        assert steps_of(opt.state) == {3.0}
+        got = train(model, opt, range(3, 4))
+        _equal(got, want)
+        _close(got, oracle[-1][_stage_slice(model, hcg)])
     return "ok"
 
 

@@ -11,7 +11,8 @@ from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from relgrad_checks.common import _for, _data, _mse, _same_on_all, _strategy
+from relgrad_checks.common import (_for, _assert_bitwise, _assert_close_each, _data, _mse,
+                                   _same_on_all, _strategy)
 
 _VERSIONS = {1: DygraphShardingOptimizer, 2: DygraphShardingOptimizerV2}
 
@@ -136,7 +137,7 @@ def clip_global_norm(rank, world, steps=3, clip=1.0, lr=0.1):
     for (kind, version, overlap, release), values in runs.items():
         if release and (kind, version, overlap, False) in runs:
             off = runs[kind, version, overlap, False]
-            assert all(torch.equal(a, b) for a, b in zip(values, off)), (kind, version)
+            _assert_bitwise(values, off, (kind, version))
     return "ok"
 
 
@@ -178,7 +179,7 @@ def tied_weights(rank, world, steps=3, clip=0.05):
     call before the step, and misspelled ties, raise on every rank."""
     batch = 2 * 2 * 2  # replicas x micro-batches x samples
     oracle_norms, oracle = _tied_oracle(steps, clip, batch)
-    assert all(float(n) > clip for n in oracle_norms)  # the clip is active
+    assert len(oracle_norms) == steps and all(float(n) > clip for n in oracle_norms)  # active
     runs = {}
     for version, overlap, release in _variants() + _variants((None,)):
         if version:
@@ -209,8 +210,7 @@ def tied_weights(rank, world, steps=3, clip=0.05):
                                        rtol=1e-5, atol=0)
             want = [oracle[step][i] for i in ((0, 2) if stage == 0 else (3, 5))]
             got = [p.detach().clone() for p in model.parameters()]
-            for g, w in zip(got, want):
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+            _assert_close_each(got, want, rtol=1e-5, atol=1e-6)
             traj.append(got)
         if version == 2:  # the tied copies sit on different shards on the two stages
             view = next(b._sharding_param_grad_view[tied] for b in opt._comm_buffer_list
@@ -220,7 +220,7 @@ def tied_weights(rank, world, steps=3, clip=0.05):
     for (version, overlap, release), traj in runs.items():
         if release:
             off = runs[version, overlap, False]
-            assert all(torch.equal(a, b) for s, t in zip(traj, off) for a, b in zip(s, t))
+            _assert_bitwise(traj, off)
     # accumulating over two calls: the tied sum would run twice, so the second call refuses
     x, y = (t.chunk(2)[replica] for t in _data(0, batch, 8, 8))
     model.forward_backward_pipeline((x, y))

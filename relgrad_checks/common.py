@@ -12,7 +12,7 @@ from torch import nn
 
 from comm_buffer import HOOK_ACTION, register_main_grad_hooks
 from relgrad import DygraphShardingConfig, HybridStrategy, PpConfig
-from sharding import DygraphShardingOptimizerV2
+from sharding import DygraphShardingOptimizerV2, MixPrecisionOptimizer
 
 ACTIONS = (HOOK_ACTION.ALL_REDUCE, HOOK_ACTION.REDUCE, HOOK_ACTION.REDUCE_SCATTER)
 
@@ -123,3 +123,110 @@ def _for(cls, strategy):
     picks v1 or v2 from that field; the classes refuse the other value)."""
     strategy.sharding_configs.split_param = issubclass(cls, DygraphShardingOptimizerV2)
     return strategy
+
+
+def _main_grad_oracle(make_model, opt_name, steps, batches):
+    """One process, bf16 params with fp32 main grads and masters, summing the grads in the
+    ranks' order, so the distributed run must equal it bitwise. `batches(step)` gives one
+    list of micro-batches (x, y) per data replica (at most 2: a sum of two fp32 values is the
+    same in any order, which is what makes the collective's sum exact here). Per replica the
+    fp32 main grads of loss/acc accumulate micro-batch by micro-batch (as the main-grad hooks
+    and the fused buffers do); the replicas' sums are added and scaled by 1/replicas (the
+    collective), then MixPrecisionOptimizer steps. Returns (losses, trajectory, optimizer):
+    per step the per-replica sums of loss/acc (what a pipeline's train_batch returns), the
+    params after each step, and the MixPrecisionOptimizer (masters and state after the last)."""
+    model = make_model()
+    params = list(model.parameters())
+    assert params and all(p.dtype == torch.bfloat16 for p in params)
+    assert not any(hasattr(p, "main_grad") for p in params), "make_model adds no hooks"
+    register_main_grad_hooks(params)
+    opt = MixPrecisionOptimizer(OPTIMIZERS[opt_name](params))
+    losses, traj = [], []
+    for step in range(steps):
+        per_replica = batches(step)
+        assert 1 <= len(per_replica) <= 2, len(per_replica)
+        sums, step_losses = None, []
+        for micro_batches in per_replica:
+            assert micro_batches
+            total = torch.zeros(())
+            for x, y in micro_batches:
+                loss = _mse(model(x), y) / len(micro_batches)
+                total += loss.detach()
+                loss.backward()
+            grads = [p.main_grad for p in params]
+            sums = grads if sums is None else [a + b for a, b in zip(sums, grads)]
+            for p in params:
+                p.main_grad = None
+            step_losses.append(total)
+        for p, s in zip(params, sums):
+            p.main_grad = s * (1.0 / len(per_replica))
+        opt.step()
+        for p in params:
+            p.main_grad = None
+        losses.append(step_losses)
+        traj.append([p.detach().clone() for p in params])
+    return losses, traj, opt
+
+
+def _pipe_batches(replicas, acc, mbs, dtype=torch.bfloat16):
+    """`batches(step)` for `_main_grad_oracle`: the pipeline tests' data, split as they split
+    it (replica r's chunk of the step's batch, then `acc` micro-batches of `mbs`)."""
+    def batches(step):
+        x, y = (t.to(dtype) for t in _data(step, replicas * acc * mbs, PIPE_SIZES[0],
+                                           PIPE_SIZES[-1]))
+        return [list(zip(xr.chunk(acc), yr.chunk(acc)))
+                for xr, yr in zip(x.chunk(replicas), y.chunk(replicas))]
+    return batches
+
+
+def _assert_moved(traj, start):
+    """Every param changed over the run: the optimizer stepped (sizes asserted first)."""
+    assert len(traj) > 0 and len(traj[-1]) == len(start) > 0, (len(traj), len(start))
+    unmoved = [i for i, (a, b) in enumerate(zip(traj[-1], start)) if torch.equal(a, b)]
+    assert not unmoved, f"params {unmoved} never moved"
+
+
+def _assert_same_state(opt, oracle_opt, index=None):
+    """The sharded `opt`'s whole state (consolidated on sharding rank 0: fp32 masters and the
+    inner optimizer's state) bitwise equal to `oracle_opt`'s (a MixPrecisionOptimizer over the
+    whole model; `index`: the positions of `opt`'s params in it, default all). The params
+    alone are bf16 and would hide a master that is off by less than half a bf16 step.
+    Collective over the sharding group."""
+    full = opt.consolidate_state_dict(to=0)
+    if full is None:
+        return
+    want = oracle_opt.state_dict()
+    index = list(range(len(want["masters"]))) if index is None else list(index)
+    assert len(index) > 0 and sorted(full["master_weights"]) == list(range(len(index)))
+    assert sorted(full["state"]) == list(range(len(index)))
+    for i, j in enumerate(index):
+        assert torch.equal(full["master_weights"][i], want["masters"][j]), ("master", j)
+        entries = want["inner"]["state"][j]
+        assert len(entries) > 0 and entries.keys() == full["state"][i].keys(), j
+        for name, value in entries.items():
+            assert torch.equal(full["state"][i][name].float(), value.float()), (name, j)
+
+
+def _assert_bitwise(got, want, what=""):
+    """Assert `got` and `want` are bitwise equal item by item: lists of the same non-zero
+    length (zip would silently stop at the shorter one, and all() of nothing is True) whose
+    items are tensors (torch.equal), plain values (==) or such lists, recursively."""
+    got, want = list(got), list(want)
+    assert len(got) == len(want) > 0, (what, len(got), len(want))
+    for i, (g, w) in enumerate(zip(got, want)):
+        if isinstance(g, torch.Tensor):
+            assert isinstance(w, torch.Tensor) and torch.equal(g, w), (what, i)
+        elif isinstance(g, (list, tuple)):
+            _assert_bitwise(g, w, (what, i))
+        else:
+            assert g == w, (what, i, g, w)
+
+
+def _assert_close_each(got, want, **tol):
+    """`torch.testing.assert_close(g, w, **tol)` for each pair, after asserting both lists
+    have the same non-zero length (zip would stop at the shorter one; a loop over nothing
+    checks nothing)."""
+    got, want = list(got), list(want)
+    assert len(got) == len(want) > 0, (len(got), len(want))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **tol)

@@ -15,7 +15,8 @@ from comm_buffer import register_main_grad_hooks
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import _for, _data, _mlp, _oracle, _same_on_all, _strategy, OPTIMIZERS
+from relgrad_checks.common import (_for, OPTIMIZERS, _assert_bitwise, _assert_close_each, _data,
+                                   _mlp, _oracle, _same_on_all, _strategy)
 
 V1, V2 = DygraphShardingOptimizer, DygraphShardingOptimizerV2
 
@@ -149,27 +150,41 @@ def add_param_group(rank, world):
 
 
 def hooks(rank, world):
-    """torch's step and state_dict / load_state_dict hooks run on the wrappers."""
+    """torch's step and state_dict / load_state_dict hooks run on the wrappers, in order, and
+    what a hook returns is what is saved / loaded: the load pre-hook swaps in a state saved
+    with lr 0.5, which the next step uses (w: 1 -> 0 at lr 1, then -> -0.5)."""
     hcg, strategy = _groups(world)
     for kind in ("mix", V1, V2):
         m = _Params(w=1.0)
         opt = _wrap(kind, torch.optim.SGD(m.parameters(), lr=1.0), hcg, strategy)
-        calls = []
+        calls, swap = [], {}
+
+        def load_pre(o, sd):
+            calls.append(("load_pre", o is opt, sd.get("extra")))
+            return {k: v for k, v in swap["sd"].items() if k != "extra"}
+
         opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o is opt)))
         opt.register_step_post_hook(lambda o, a, k: calls.append(("post", o is opt)))
         opt.register_state_dict_pre_hook(lambda o: calls.append(("sd_pre", o is opt)))
         opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 7})
-        opt.register_load_state_dict_pre_hook(
-            lambda o, sd: {k: v for k, v in sd.items() if k != "extra"})
+        opt.register_load_state_dict_pre_hook(load_pre)
         opt.register_load_state_dict_post_hook(lambda o: calls.append(("load_post", o is opt)))
         m.w.sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-        saved = opt.state_dict()
-        assert saved["extra"] == 7
-        opt.load_state_dict(saved)  # the pre-hook strips "extra" before the inner load
-        assert calls == [("pre", True), ("post", True), ("sd_pre", True), ("load_post", True)]
         assert _value(m.w) == 0.0
+        opt.param_groups[0]["lr"] = 0.5
+        swap["sd"] = opt.state_dict()
+        opt.param_groups[0]["lr"] = 1.0
+        saved = opt.state_dict()
+        assert saved["extra"] == 7 and swap["sd"]["extra"] == 7
+        opt.load_state_dict(saved)  # the pre-hook hands back the lr 0.5 state instead
+        assert calls == [("pre", True), ("post", True), ("sd_pre", True), ("sd_pre", True),
+                         ("load_pre", True, 7), ("load_post", True)], calls
+        assert opt.param_groups[0]["lr"] == 0.5
+        m.w.sum().backward()
+        opt.step()
+        assert _value(m.w) == -0.5, (kind, _value(m.w))
     return "ok"
 
 
@@ -224,8 +239,7 @@ def _train(model, opt, hcg, steps=3, batch=8, set_to_none=True):
 
 def _assert_oracle(traj, oracle):
     for got, want in zip(traj, oracle):
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        _assert_close_each(got, want, rtol=1e-5, atol=1e-6)
 
 
 def v2_model_moved(rank, world):
@@ -333,9 +347,8 @@ def no_grad_not_stepped(rank, world):
             start = [p.detach().clone() for p in model[1].parameters()]
             trajs[release] = run(model, kind(adamw(model.parameters()), hcg, _for(kind, st)),
                                  world, rank)
-            assert all(torch.equal(a, b) for a, b in zip(start, model[1].parameters()))
-        for off, on in zip(trajs[False], trajs[True]):
-            assert all(torch.equal(a, b) for a, b in zip(off, on))
+            _assert_bitwise(start, model[1].parameters())
+        _assert_bitwise(trajs[False], trajs[True])
         release = True
         model = make()
         _assert_oracle(trajs[True], run(model, adamw(model.parameters()), 1, 0))

@@ -1,22 +1,79 @@
 """Rank-side check of the demo's --peers: the same LM under sharding v2, DDP + ZeRO and FSDP2."""
+import gc
+
+import torch
+
+from comm_buffer import FusedCommBuffer
 from relgrad_demo import peers
+from relgrad_demo.memory import allocator_in_use_bytes
 
 # A tiny LM and few steps: the systems' agreement does not depend on size.
 OPTS = {"data": None, "block": 16, "seed": 0, "micro_batch_size": 2, "micro_batches": 2,
         "d_model": 32, "layers": 1, "main_grad": False, "lr": 3e-3, "steps": 3,
         "overlap": True, "trace": None, "modes": ["off", "on"]}
 
+# What the allocator may add to a freed block's bytes: glibc rounds an mmapped chunk up to
+# whole 4 KiB pages, a heap chunk to 16 B plus torch's 64 B alignment; the storage's own
+# bookkeeping (StorageImpl) is a few hundred bytes.
+ROUNDING = 4096
+
+
+def _measured_release(released):
+    """A `FusedCommBuffer._clear_grad_storage` that records, per call, (the buffer's bytes,
+    the allocator's bytes freed by the whole release, those freed by the storage alone). The
+    storage is held across the release, then let go on its own, so its figure is the buffer's
+    memory coming back to the allocator and nothing else."""
+    original = FusedCommBuffer._clear_grad_storage
+    cpu = torch.device("cpu")
+
+    def release(buffer):
+        if buffer.grad_storage is None:
+            return original(buffer)
+        storage = buffer.grad_storage.untyped_storage()
+        nbytes = storage.nbytes()
+        gc.collect()
+        before = allocator_in_use_bytes(cpu)
+        original(buffer)
+        gc.collect()
+        held = allocator_in_use_bytes(cpu)
+        del storage  # the last reference, if the release dropped every other one
+        gc.collect()
+        after = allocator_in_use_bytes(cpu)
+        released.append((nbytes, before - after, held - after))
+        return None
+
+    return original, release
+
 
 def peers_agree(rank, world):
     """torch's DDP + ZeRO ends bitwise equal to v2 (same sums in the same order), FSDP2 within
-    1e-6; v2 with release holds less between steps than without (allocator)."""
-    result = peers.peers_job(rank, world, dict(OPTS))
+    1e-6; each release of v2's buffer (run "v2 release on") returns the buffer's bytes to the
+    allocator (plus its rounding), and that buffer is what "v2 release off" keeps (our count).
+    Returns peers_job's result plus "released": [(buffer bytes, bytes the release freed,
+    bytes the storage alone freed)] per release (the warm-up rounds' included)."""
+    released = []
+    original, release = _measured_release(released)
+    FusedCommBuffer._clear_grad_storage = release
+    try:
+        result = peers.peers_job(rank, world, dict(OPTS))
+    finally:
+        FusedCommBuffer._clear_grad_storage = original
     diff, runs = result["diff"], result["runs"]
     assert set(diff) == {"v2 release off", "v2 release on", "DDP + ZeRO", "FSDP2"}, diff
     assert diff["v2 release on"] == (0, 0) and diff["DDP + ZeRO"] == (0, 0), diff
     assert max(diff["FSDP2"]) <= 1e-6, diff
     assert len(runs["v2 release off"]["losses"]) == OPTS["steps"]
+    # one buffer (the LM is far below the 256 MB bucket cap), released once per step: the two
+    # warm-up rounds' single step and the measured steps
+    assert len(released) == 2 + OPTS["steps"], released
+    counted_off = runs["v2 release off"]["counted"]
+    assert len(counted_off) == OPTS["steps"] and len(set(counted_off)) == 1, counted_off
+    assert runs["v2 release on"]["counted"] == [0] * OPTS["steps"]
     grad_bytes = result["params"] * 4
-    off, on = (runs[f"v2 release {m}"]["idle"][-1] for m in ("off", "on"))
-    assert 0.8 * grad_bytes < off - on < 1.3 * grad_bytes, (off - on, grad_bytes)
+    for nbytes, freed, storage_freed in released:
+        # the buffer is the one "off" keeps: every param's fp32 grad, each padded to 256 B
+        assert nbytes == counted_off[0] and grad_bytes <= nbytes < grad_bytes + 256 * 64
+        assert nbytes <= storage_freed <= nbytes + ROUNDING, (nbytes, storage_freed)
+        assert storage_freed <= freed, (storage_freed, freed)  # + the views it dropped
+    result["released"] = released
     return result

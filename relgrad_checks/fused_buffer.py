@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from comm_buffer import HOOK_ACTION, FusedCommBuffer, bw_hook_func, register_main_grad_hooks
-from relgrad_checks.common import (ACTIONS, _backward_int_grads, _new_params, _released, _slot)
+from relgrad_checks.common import (ACTIONS, _assert_bitwise, _backward_int_grads, _new_params,
+                                   _released, _slot)
 
 # ---------------------------------------------------------------- comm_buffer.py
 
@@ -204,7 +205,7 @@ def _check_main_grad(rank, world):
                     buf._clear_grad_storage()
                 else:
                     p.main_grad.zero_()
-        assert all(torch.equal(a, b) for a, b in zip(outs[:3], outs[3:]))
+        _assert_bitwise(outs[:3], outs[3:])
 
 
 def _check_misuse(rank, world):
@@ -279,5 +280,5 @@ def _check_misuse(rank, world):
     values = [p.detach().clone() for p in fused]
     buf = FusedCommBuffer(0, fused, None, act=HOOK_ACTION.ALL_REDUCE, fuse_param=True)
     assert fused[1].data_ptr() == buf.param_storage[buf.param2offset[fused[1]]:].data_ptr()
-    assert all(torch.equal(p, v) for p, v in zip(fused, values))
+    _assert_bitwise(fused, values)
 

@@ -13,10 +13,12 @@ from pipeline import PipelineParallel
 from relgrad_extras.interleave import PipelineParallelWithInterleave
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _data, _mse, _pipe_layers,
-                                   _released, _same_on_all, _strategy)
+from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_bitwise,
+                                   _assert_close_each, _assert_moved, _assert_same_state, _data,
+                                   _main_grad_oracle, _mse, _pipe_batches, _pipe_layers, _released,
+                                   _same_on_all, _strategy)
 from relgrad_checks.clipping import _tied_layers, _tied_oracle
-from relgrad_checks.pipe import _V1, _V2, _pipe_oracle, _spy_collectives
+from relgrad_checks.pipe import _V1, _V2, _own_buffers, _pipe_oracle, _spy_collectives
 
 # ---- the interleaved order for pp 2 x 2 virtual stages, written out by hand ----
 # Read off the paper's Figure 4 rule (Narayanan et al. 2021): micro-batches go through chunk 0
@@ -119,9 +121,11 @@ def _whole_model(model, hcg):
     return [merged[k] for k in sorted(merged)]
 
 
-def _probe(collectives, release, fires_at):
+def _probe(collectives, release, fires_at, overlap):
     """train_batch, checking per chunk: one allocation per bucket, one collective per bucket
-    after the chunk's last backward (where Paddle fires it), every buffer freed after."""
+    after the chunk's last backward (where Paddle fires it), every buffer freed after.
+    `overlap` (from the test's strategy): the pipeline builds buffers; without it v2's own
+    buffers are checked freed after the step with release, kept without."""
     def probe(model, opt, data):
         buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]
         assert not release or all(b.grad_storage is None for b in buffers)
@@ -142,6 +146,9 @@ def _probe(collectives, release, fires_at):
         finally:
             FusedCommBuffer._copy_grad_to_buffer = original
         by_chunk = model._chunk_2_comm_buffers
+        assert bool(by_chunk) == bool(model._comm_overlap) == overlap, (len(by_chunk), overlap)
+        own = _own_buffers(opt)
+        assert not (own and overlap), "v2 builds its own buffers only without pipeline overlap"
         if model._comm_overlap:
             assert sorted(by_chunk) == [0, 1] and all(by_chunk.values()), "a bucket per chunk"
             assert model.accumulate_steps == 4 and fires_at is not None  # FIRES_AT's case
@@ -157,18 +164,21 @@ def _probe(collectives, release, fires_at):
         collectives.clear()  # it holds the buffers too
         storages = [weakref.ref(b.grad_storage) for b in buffers]
         model._optimizer_step()
+        params = list(model.parameters())
+        assert params
+        assert all((b.grad_storage is None) == release for b in buffers + own)
         if release:
-            assert all(b.grad_storage is None for b in buffers)
             assert _released(*storages), "a released chunk buffer is still alive"
             assert all(p.grad is None and getattr(p, "main_grad", None) is None
-                       for p in model.parameters())
+                       for p in params)
         return loss
     return probe
 
 
 def _train(hcg, strategy, vpp, wrap, opt_name, dtype, main_grad, steps, mbs, probe=None,
-           bounds=None, clip=None):
-    """Losses and whole-model params after each step, trained with `vpp` virtual stages."""
+           bounds=None, clip=None, keep=None):
+    """Losses and whole-model params after each step, trained with `vpp` virtual stages;
+    `keep` (a dict), if given, gets the "model" and the "opt"."""
     layers = _tag_layers(dtype, main_grad)
     if vpp == 1:
         model = PipelineParallel(layers, hcg, strategy, _mse)
@@ -177,6 +187,8 @@ def _train(hcg, strategy, vpp, wrap, opt_name, dtype, main_grad, steps, mbs, pro
     opt = OPTIMIZERS[opt_name](model.parameters())
     if wrap:
         opt = wrap(opt, hcg, strategy)
+    if keep is not None:
+        keep.update(model=model, opt=opt)
     acc = strategy.accumulate_steps
     replicas = strategy.dp_degree * strategy.sharding_degree
     replica = hcg.get_data_parallel_rank() * strategy.sharding_degree \
@@ -195,8 +207,18 @@ def _train(hcg, strategy, vpp, wrap, opt_name, dtype, main_grad, steps, mbs, pro
 def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad=False,
                 steps=3, mbs=2, bounds=None):
     replicas = base.dp_degree * base.sharding_degree
-    oracle_losses, oracle = _pipe_oracle(opt_name, steps, replicas * base.accumulate_steps * mbs,
-                                         dtype, main_grad)
+    if main_grad:  # bitwise: one process summing the fp32 main grads in the ranks' order
+        replica = hcg.get_data_parallel_rank() * base.sharding_degree \
+            + hcg.get_sharding_parallel_rank()
+        oracle_losses, oracle, oracle_opt = _main_grad_oracle(
+            lambda: torch.nn.Sequential(*_pipe_layers(dtype)), opt_name, steps,
+            _pipe_batches(replicas, base.accumulate_steps, mbs, dtype))
+        _assert_moved(oracle, [p.detach() for l in _pipe_layers(dtype) for p in l.parameters()])
+        oracle_losses = [step_losses[replica] for step_losses in oracle_losses]
+    else:
+        oracle_losses, oracle = _pipe_oracle(opt_name, steps,
+                                             replicas * base.accumulate_steps * mbs, dtype)
+    assert len(oracle) == steps
     args = (wrap, opt_name, dtype, main_grad, steps, mbs)
     plain = _train(hcg, base, 1, *args)
     collectives, model_ref = [], [None]
@@ -208,26 +230,39 @@ def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad
             strategy.pp_configs.release_gradients = release
             # the overlap cases are pp 2 x 4 micro-batches, whose firing table is FIRES_AT
             fires_at = FIRES_AT[hcg.get_stage_id()] if base.pp_degree == 2 else None
-            probe = _probe(collectives, release, fires_at)
+            overlap = (base.pp_configs.sharding_comm_overlap
+                       or base.pp_configs.dp_comm_overlap)
+            probe = _probe(collectives, release, fires_at, overlap)
 
             def tracked(model, opt, data, probe=probe):
                 model_ref[0] = model
                 return probe(model, opt, data)
 
-            runs[release] = _train(hcg, strategy, 2, *args, probe=tracked, bounds=bounds)
+            keep = {}
+            runs[release] = _train(hcg, strategy, 2, *args, probe=tracked, bounds=bounds,
+                                   keep=keep)
+            if main_grad:  # this rank's fp32 masters and Adam's state too
+                _assert_same_state(keep["opt"], oracle_opt,
+                                   [p.whole_model_index for p in keep["model"].parameters()])
     finally:
         restore()
-    tol = dict(rtol=0, atol=2e-2) if main_grad else dict(rtol=1e-5, atol=1e-6)
+    assert sorted(runs) == [False, True] and len(plain[0]) == len(plain[1]) == steps
     for release, (losses, traj) in runs.items():
+        assert len(losses) == len(traj) == steps
         # interleaved == plain 1F1B bitwise: same per-param sums in the same micro-batch order
-        assert all(torch.equal(a, b) for a, b in zip(losses, plain[0])), release
-        assert all(torch.equal(a, b) for s, t in zip(traj, plain[1]) for a, b in zip(s, t))
+        _assert_bitwise(losses, plain[0], release)
+        _assert_bitwise(traj, plain[1])
         for loss, got, want_loss, want in zip(losses, traj, oracle_losses, oracle):
+            assert len(got) == len(want) > 0, (len(got), len(want))
+            if main_grad:
+                assert torch.equal(loss, want_loss), (loss, want_loss)
+                _assert_bitwise(got, want, release)
+                continue
             mean = loss.clone()
             dist.all_reduce(mean)
-            torch.testing.assert_close(mean / dist.get_world_size(), want_loss, **tol)
-            for g, w in zip(got, want):
-                torch.testing.assert_close(g.float(), w.float(), **tol)
+            torch.testing.assert_close(mean / dist.get_world_size(), want_loss,
+                                       rtol=1e-5, atol=1e-6)
+            _assert_close_each(got, want, rtol=1e-5, atol=1e-6)
 
 
 def pp_only(rank, world):
@@ -237,19 +272,60 @@ def pp_only(rank, world):
                                  (2, "sgd", False)):
         strategy = _strategy(pp=2, acc=acc, delay_scale_loss=delay)
         _check_case(HybridCommunicateGroup(strategy), strategy, None, opt_name)
-    # global-norm clipping (grad_clip/) over the chunks: the norm's per-rank partial sums
-    # differ from plain 1F1B's (other params per rank), so close, not bitwise
+    # global-norm clipping (grad_clip/) over the chunks, against one process clipping with
+    # torch's clip_grad_norm_ (the norm stays above clip_norm, where Paddle's coefficient
+    # clip / (norm + 1e-6) is torch's); vpp 1 and 2 close, not bitwise: the norm's per-rank
+    # partial sums differ (other params per rank)
+    steps, clip = 3, 0.05
+    want_norms, want = _clipped_oracle(steps, clip, batch=4 * 2)
+    assert len(want_norms) == steps and min(want_norms) > clip  # the clip is active
     strategy = _strategy(pp=2, acc=4)
     hcg = HybridCommunicateGroup(strategy)
-    runs = [_train(hcg, strategy, vpp, None, "sgd", torch.float32, False, 3, 2,
-                   clip=ClipGradByGlobalNorm(0.05)) for vpp in (1, 2)]
-    unclipped = _train(hcg, strategy, 1, None, "sgd", torch.float32, False, 3, 2)
-    for (l1, t1), (l2, t2) in zip(runs, runs[1:]):
-        torch.testing.assert_close(l1, l2, rtol=1e-6, atol=0)
-        for a, b in zip(t1, t2):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    assert not torch.allclose(runs[1][1][0][0], unclipped[1][0][0])  # the clip bit
+    runs = []
+    for vpp in (1, 2):
+        grad_clip = _RecordingClip(clip)
+        runs.append(_train(hcg, strategy, vpp, None, "sgd", torch.float32, False, steps, 2,
+                           clip=grad_clip))
+        assert len(grad_clip.norms) == steps, len(grad_clip.norms)
+        _assert_close_each(grad_clip.norms, want_norms, rtol=1e-5, atol=0)
+        losses, traj = runs[-1]
+        assert len(traj) == steps
+        for got, w in zip(traj, want):
+            assert len(got) == len(w) > 0, (len(got), len(w))
+            _assert_close_each(got, w, rtol=1e-5, atol=1e-6)
+    (l1, t1), (l2, t2) = runs
+    torch.testing.assert_close(l1, l2, rtol=1e-6, atol=0)
+    _assert_close_each(t1, t2, rtol=1e-6, atol=1e-7)
     return "ok"
+
+
+class _RecordingClip(ClipGradByGlobalNorm):
+    """ClipGradByGlobalNorm that keeps each call's global norm."""
+
+    def __init__(self, clip_norm):
+        super().__init__(clip_norm)
+        self.norms = []
+
+    def __call__(self, *args, **kwargs):
+        out = super().__call__(*args, **kwargs)
+        self.norms.append(self.global_norm.detach().clone())
+        return out
+
+
+def _clipped_oracle(steps, clip, batch):
+    """One process, the whole model and batch, SGD (as OPTIMIZERS["sgd"]) after torch's
+    clip_grad_norm_: (norms, params after each step)."""
+    model = torch.nn.Sequential(*_pipe_layers())
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    norms, traj = [], []
+    for step in range(steps):
+        x, y = _data(step, batch, PIPE_SIZES[0], PIPE_SIZES[-1])
+        _mse(model(x), y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        opt.step()
+        opt.zero_grad()
+        traj.append([p.detach().clone() for p in model.parameters()])
+    return norms, traj
 
 
 def with_sharding_and_dp(rank, world):

@@ -14,7 +14,9 @@ from comm_buffer import FusedCommBuffer
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _data, _mlp, _mse, _pipe_layers,
+from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_bitwise,
+                                   _assert_close_each, _assert_moved, _assert_same_state, _data,
+                                   _main_grad_oracle, _mlp, _mse, _pipe_batches, _pipe_layers,
                                    _released, _same_on_all, _strategy)
 
 
@@ -72,18 +74,32 @@ def _stage_slice(model, hcg):
     return slice(sum(counts[: bounds[s]]), sum(counts[: bounds[s + 1]]))
 
 
-def _release_probe(collectives, release):
+def _own_buffers(opt):
+    """v2's own REDUCE_SCATTER buffers (built when the pipeline does not overlap), else []."""
+    return list(getattr(opt, "_comm_buffer_list", [])) if isinstance(
+        opt, DygraphShardingOptimizerV2) and not opt.pp_overlap else []
+
+
+def _release_probe(collectives, release, overlap):
     """train_batch, checking the buffers' life and when each bucket's collective fires.
-    `release` is what the test's strategy asked for, never read back from the model."""
+    `release` and `overlap` (the pipeline builds fused buffers) are what the test's strategy
+    asked for, never read back from the model. Without overlap the pipeline has no buffers;
+    then v2's own buffers (if any) are checked: allocated at step() with release, freed after
+    it, and at one address across steps without release."""
+    addresses = []
+
     def probe(model, opt, data, step):
         buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]
-        assert not release or all(b.grad_storage is None for b in buffers)
-        first_copy = []
+        own = _own_buffers(opt)
+        assert not release or all(b.grad_storage is None for b in buffers + own)
+        first_copy, allocated = [], []  # per copy: was the buffer absent; the buffers made
         original = FusedCommBuffer._copy_grad_to_buffer
 
         def spy(self, param):
             first_copy.append(self.grad_storage is None)
-            return original(self, param)
+            original(self, param)
+            if first_copy[-1]:
+                allocated.append(weakref.ref(self.grad_storage))
 
         FusedCommBuffer._copy_grad_to_buffer = spy
         collectives.clear()
@@ -91,24 +107,49 @@ def _release_probe(collectives, release):
             model._prepare_training(opt, None)
             model.train()
             loss = model.forward_backward_pipeline(data)
+            buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]
+            assert bool(buffers) == overlap, (len(buffers), overlap)
+            assert not (buffers and own), "v2 has its own buffers only without pipeline overlap"
+            last = ("B", model.accumulate_steps - 1)
+            for b in buffers:  # one collective per bucket, in the last micro-batch's backward
+                assert [when for t, when in collectives if t is b.grad_storage] == [last]
+            if release and buffers:
+                assert first_copy[0] is True and first_copy.count(True) == len(buffers)
+            if own:  # v2's own buffers: no hooks without overlap, nothing copied in backward
+                assert not first_copy and not collectives, (first_copy, len(collectives))
+                assert all((b.grad_storage is None) == release for b in own)
+            collectives.clear()  # it holds the buffers too
+            storages = [weakref.ref(b.grad_storage) for b in buffers]
+            model._optimizer_step()
         finally:
             FusedCommBuffer._copy_grad_to_buffer = original
-        buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]
-        last = ("B", model.accumulate_steps - 1)
-        for b in buffers:  # one collective per bucket, in the last micro-batch's backward
-            assert [when for t, when in collectives if t is b.grad_storage] == [last]
-        if release and buffers:
-            assert first_copy[0] is True and first_copy.count(True) == len(buffers)
-        collectives.clear()  # it holds the buffers too
-        storages = [weakref.ref(b.grad_storage) for b in buffers]
-        model._optimizer_step()
+        if own:  # one reduce-scatter per own buffer, at step()
+            made = [a() for a in allocated] if release else [b.grad_storage for b in own]
+            assert len(made) == len(own), (len(made), len(own))
+            for storage in made:
+                assert storage is not None and sum(t is storage for t, _ in collectives) == 1
+            del made, storage  # no reference of ours may keep a released buffer alive
+        collectives.clear()
+        if own and release:  # step() allocated each once (copying the grads in), then freed
+            assert first_copy.count(True) == len(allocated) == len(own), (first_copy, len(own))
+            assert all(b.grad_storage is None for b in own)
+            assert _released(*allocated), "a released v2 buffer is still alive"
+        if own and not release:  # backward wrote into the buffers' views; nothing allocated
+            assert not allocated and all(b.grad_storage is not None for b in own)
+            addresses.append([b.grad_storage.data_ptr() for b in own])
+            assert addresses[0] == addresses[-1], "release off keeps one buffer per bucket"
+        params = list(model.parameters())
+        assert params
         if release:
             assert all(b.grad_storage is None for b in buffers)
             assert _released(*storages), "a released buffer is still alive"
             assert all(p.grad is None and getattr(p, "main_grad", None) is None
-                       for p in model.parameters()), "release leaves no grad behind"
+                       for p in params), "release leaves no grad behind"
             model.eval_batch(data)
-            assert all(b.grad_storage is None for b in buffers)
+            assert all(b.grad_storage is None for b in buffers + own)
+        else:  # zeroed in place, kept
+            assert all(p.grad is not None or getattr(p, "main_grad", None) is not None
+                       for p in params), "release off keeps the grads"
         return loss
     return probe
 
@@ -133,17 +174,30 @@ def _spy_collectives(model_ref, collectives):
 
 def _check_pipeline(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad=False,
                     steps=3, mbs=2):
-    """Release off and on: per step equal to one process, and bitwise equal to each other."""
+    """Release off and on: per step equal to one process, and bitwise equal to each other.
+    fp32: close to one process on the whole batch. bf16 with main grads: bitwise equal to one
+    process summing in the ranks' order (`_main_grad_oracle`), whose params all move."""
     replicas = base.dp_degree * base.sharding_degree
-    oracle_losses, oracle = _pipe_oracle(opt_name, steps, replicas * base.accumulate_steps * mbs,
-                                         dtype, main_grad)
+    replica = hcg.get_data_parallel_rank() * base.sharding_degree \
+        + hcg.get_sharding_parallel_rank()
+    if main_grad:
+        oracle_losses, oracle, oracle_opt = _main_grad_oracle(
+            lambda: nn.Sequential(*_pipe_layers(dtype)), opt_name, steps,
+            _pipe_batches(replicas, base.accumulate_steps, mbs, dtype))
+        _assert_moved(oracle, [p.detach() for l in _pipe_layers(dtype) for p in l.parameters()])
+        oracle_losses = [step_losses[replica] for step_losses in oracle_losses]
+    else:
+        oracle_losses, oracle = _pipe_oracle(opt_name, steps,
+                                             replicas * base.accumulate_steps * mbs, dtype)
+    assert len(oracle) == steps
     runs, collectives, model_ref = {}, [], [None]
     restore = _spy_collectives(model_ref, collectives)
+    overlap = base.pp_configs.sharding_comm_overlap or base.pp_configs.dp_comm_overlap
     try:
         for release in (False, True):
             strategy = copy.deepcopy(base)
             strategy.pp_configs.release_gradients = release
-            probe = _release_probe(collectives, release)
+            probe = _release_probe(collectives, release, overlap)
 
             def tracked(model, opt, data, step, probe=probe):
                 model_ref[0] = model
@@ -153,19 +207,27 @@ def _check_pipeline(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_
                                             main_grad, tracked)
             runs[release] = (losses, traj)
             part = _stage_slice(model, hcg)
-            tol = dict(rtol=0, atol=2e-2) if main_grad else dict(rtol=1e-5, atol=1e-6)
+            if main_grad:  # this stage's fp32 masters and Adam's state too
+                _assert_same_state(model.optimizer, oracle_opt,
+                                   range(len(oracle[0]))[part])
+            assert len(losses) == len(traj) == steps
             for loss, got, want_loss, want in zip(losses, traj, oracle_losses, oracle):
                 assert _same_on_all([loss], hcg.get_pipe_parallel_group())
+                assert len(got) == len(want[part]) > 0, (len(got), len(want[part]))
+                if main_grad:
+                    assert torch.equal(loss, want_loss), (loss, want_loss)
+                    _assert_bitwise(got, want[part])
+                    continue
                 mean = loss.clone()
                 dist.all_reduce(mean)
-                torch.testing.assert_close(mean / dist.get_world_size(), want_loss, **tol)
-                for g, w in zip(got, want[part]):
-                    torch.testing.assert_close(g.float(), w.float(), **tol)
+                torch.testing.assert_close(mean / dist.get_world_size(), want_loss,
+                                           rtol=1e-5, atol=1e-6)
+                _assert_close_each(got, want[part], rtol=1e-5, atol=1e-6)
     finally:
         restore()
     (l_off, t_off), (l_on, t_on) = runs[False], runs[True]
-    assert all(torch.equal(a, b) for a, b in zip(l_off, l_on))
-    assert all(torch.equal(a, b) for s_off, s_on in zip(t_off, t_on) for a, b in zip(s_off, s_on))
+    _assert_bitwise(l_off, l_on)
+    _assert_bitwise(t_off, t_on)
 
 
 _V1 = lambda opt, hcg, st: DygraphShardingOptimizer(opt, hcg, _for(DygraphShardingOptimizer, st))
@@ -208,8 +270,7 @@ def sharding_flag_under_pp_overlap(rank, world):
     assert addresses[0] == addresses[1] == addresses[2]
     _, oracle = _pipe_oracle("sgd", 3, 2 * 4 * 2)
     for got, want in zip(traj, oracle):
-        for g, w in zip(got, want[_stage_slice(model, hcg)]):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        _assert_close_each(got, want[_stage_slice(model, hcg)], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="should not erase grad buffer"):
         model.optimizer.zero_grad()  # set_to_none=True would detach grads from the buffers
     return "ok"
@@ -253,15 +314,20 @@ def pp_only(rank, world, delay_scale_loss):
 
 
 def loss_scaled_once(rank, world):
-    """4 micro-batches of 1 sample == 1 micro-batch of 4 samples: the loss is scaled once."""
+    """4 micro-batches of 1 sample and 1 micro-batch of 4 samples: each stage's grads equal one
+    process's on the whole batch of 4, so the loss is scaled by 1/acc once (not 0 or 2 times)."""
     hcg = HybridCommunicateGroup(_strategy(pp=2, acc=4))
-    grads = []
+    x, y = _data(0, 4, PIPE_SIZES[0], PIPE_SIZES[-1])
+    oracle = nn.Sequential(*_pipe_layers())
+    _mse(oracle(x), y).backward()
+    want = [p.grad for p in oracle.parameters()]
     for acc, mbs in ((4, 1), (1, 4)):
         model = PipelineParallel(_pipe_layers(), hcg, _strategy(pp=2, acc=acc), _mse)
-        model.forward_backward_pipeline(_data(0, 4, PIPE_SIZES[0], PIPE_SIZES[-1]))
-        grads.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        model.forward_backward_pipeline((x, y))
+        got = [p.grad for p in model.parameters()]
+        part = want[_stage_slice(model, hcg)]
+        assert len(got) == len(part) > 0, (len(got), len(part))
+        _assert_close_each(got, part, rtol=1e-5, atol=1e-7)
     return "ok"
 
 
@@ -300,7 +366,16 @@ def _failing_worker(rank, world):
                       torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def _hanging_worker(rank, world):
+def _hanging_worker(rank, world, hold=60.0):
+    """Rank 0 waits for a message rank 1 never sends; rank 1 stays alive (for `hold` seconds)
+    so the wait ends only by the launcher's timeout, not by the peer's exit resetting the
+    connection. Rank 0 polls instead of blocking in gloo, whose own timeout (the launcher's)
+    would otherwise race the launcher's."""
     if rank == 0:
-        dist.recv(torch.zeros(1), src=1)  # rank 1 never sends
+        work = dist.irecv(torch.zeros(1), src=1)  # rank 1 never sends
+        deadline = time.monotonic() + hold
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        time.sleep(hold)
 

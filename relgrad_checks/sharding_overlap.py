@@ -13,7 +13,8 @@ from comm_buffer import HOOK_ACTION, FusedCommBuffer
 from pipeline import PipelineParallel
 from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _data, _io, _mlp, _mse, _oracle,
+from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_bitwise,
+                                   _assert_close_each, _data, _io, _mlp, _mse, _oracle,
                                    _pipe_layers, _released, _same_on_all)
 
 
@@ -181,11 +182,9 @@ def own_overlap(rank, world):
                 if release:
                     assert counts == {"zeros": 0, "copies": 0}, counts
                 for got, want in zip(trajs[release], oracle):
-                    for g, w in zip(got, want):
-                        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+                    _assert_close_each(got, want, rtol=1e-5, atol=1e-6)
                     assert _same_on_all(got)
-            for off, on in zip(trajs[False], trajs[True]):
-                assert all(torch.equal(a, b) for a, b in zip(off, on))
+            _assert_bitwise(trajs[False], trajs[True])
         _check_one_allocation_per_bucket(hcg, version, world)
         _check_own_overlap_misuse(hcg, version, world)
     _check_config_errors(hcg, world)
@@ -315,8 +314,7 @@ def _assert_same_runs(parts, trajs, buckets=True):
         b = keyed[True][key]
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), key
     assert any(a is not None for a in keyed[True].values()) == buckets
-    for off, on in zip(trajs[False], trajs[True]):
-        assert all(torch.equal(a, b) for a, b in zip(off, on))
+    _assert_bitwise(trajs[False], trajs[True])
 
 
 def free_in_comm_pipeline(rank, world):

@@ -16,6 +16,7 @@ appends its name to `opts["modes"]`. A layout rule (which overlap runs where) is
 `make_strategy`.
 """
 import gc
+import hashlib
 import time
 from functools import partial
 
@@ -243,9 +244,10 @@ def warm_up_then_measure(builders, steps, batch, device, trace, eval_batch=None,
 def train_job(rank, world_size, opts):
     """Per-rank body of the main job: one PipelineRun per mode in `opts["modes"]`, measured.
 
-    Returns this rank's {"rank", "stage", "runs": {mode: measures + "buffers"}, "equal":
-    {mode: losses and final params bitwise equal to the baseline's}, "trace": Chrome events
-    or None, "vocab", "stage_params" (elements, a tied weight's later copy left out),
+    Returns this rank's {"rank", "stage", "runs": {mode: measures + "buffers" +
+    "param_sha256"}, "equal": {mode: losses and final params bitwise equal to the
+    baseline's}, "trace": Chrome events or None, "vocab", "stage_params" (elements, a tied
+    weight's later copy left out),
     "optimizer" (its name)}.
     """
     device = torch.device(opts.get("device") or "cpu")
@@ -266,6 +268,7 @@ def train_job(rank, world_size, opts):
              for mode in runs}
     for mode, run in runs.items():
         measures[mode]["buffers"] = run.buffers()
+        measures[mode]["param_sha256"] = params_sha256(run.params())
     stage, first = hcg.get_stage_id(), runs[base]
     trace = (recorder.chrome_events(rank, f"rank {rank} (stage {stage})",
                                     [f"release {m}" for m in runs]) if recorder.enabled else None)
@@ -276,6 +279,14 @@ def train_job(rank, world_size, opts):
             "stage_params": sum(p.numel() for p in first.model.parameters()
                                 if getattr(p, "is_firstly_shared", True)),
             "optimizer": optimizer_name(first.optimizer)}
+
+
+def params_sha256(params):
+    """Hex SHA-256 of the params' bytes in order: equal iff the params are bitwise equal."""
+    digest = hashlib.sha256()
+    for p in params:
+        digest.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 EVAL_BATCHES = 4  # an eval batch is this many training batches

@@ -29,6 +29,7 @@ lists marked "per rank" are indexed by global rank):
       step_time_s              median wall time of a step (slowest rank), after step 1
       step_time_iqr_s          [first, third] quartile of the same
       step_times_s             per step, the slowest rank's wall time
+      param_sha256             per rank: SHA-256 of its final params' bytes (hex)
       (other modes only, against the baseline:)
       idle_grad_bytes_allocator  per rank: baseline's idle_bytes_allocator minus this mode's:
                                  the grad bytes this mode frees between steps
@@ -134,6 +135,7 @@ def summarize(results, opts):
             "phase_bytes": [m["phases"] for m in ms],
             "eval_peak_bytes": [_max(m["eval_peak"]) if m["eval_peak"] else None for m in ms],
             "step_time_s": median, "step_time_iqr_s": [q1, q3], "step_times_s": times[mode],
+            "param_sha256": [m["param_sha256"] for m in ms],
         }
         if mode != base:
             entry["idle_grad_bytes_allocator"] = [
