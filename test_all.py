@@ -896,12 +896,13 @@ def test_recipe_extras(tmp_path):
     assert codes == [0, 0], outputs
     model = recipes._mlp()
     start = [p.detach().clone() for p in model.parameters()]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt, norms = torch.optim.AdamW(model.parameters(), lr=1e-2), []
     for step in range(6):
         x, y = recipes._batch(step, 16)
         torch.nn.functional.mse_loss(model(x), y).backward()
         if step < 3:  # Paddle's coefficient: 0.5 / (max(norm, 0.5) + 1e-6)
             norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt()
+            norms.append(norm.item())
             for p in model.parameters():
                 p.grad.mul_(0.5 / (torch.maximum(norm, torch.tensor(0.5)) + 1e-6))
         opt.step()
@@ -909,6 +910,8 @@ def test_recipe_extras(tmp_path):
         if step == 2:
             after_3 = [p.detach().clone() for p in model.parameters()]
     want = [p.detach().clone() for p in model.parameters()]
+    assert len(norms) == 3 and max(norms) > 0.5  # the clip bites in the distributed steps
+    _moved(after_3, start)
     _moved(want, after_3)
     _assert_params(params[1], after_3)  # rank 1 stopped after the distributed steps
     _assert_params(params[0], want)
