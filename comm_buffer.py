@@ -643,8 +643,20 @@ class FusedCommBuffer:
             self._task = dist.all_reduce(storage, group=group, async_op=True)
         else:  # in place: this rank's shard of the same buffer receives the reduced shard
             self._task = _reduce_scatter(self._local_shard(storage), storage, group)
+        # Collectives write without bumping the autograd version counter; any in-place op on
+        # a grad (a view of this buffer) does bump it: see `_changed_in_flight`.
+        self._issued_version = storage._version
         if self._comm_queue is not None:  # free_grads_in_comm: finish earlier buckets first
             self._comm_queue.issued(self)
+
+    def _changed_in_flight(self):
+        """Beyond Paddle: True if the buffer (a grad, which views it) was changed in place
+        after its collective was issued and before it completed, e.g. by
+        `torch.nn.utils.clip_grad_norm_` between backward and `step()`: the collective then
+        sends a mix of old and new values, different on every run."""
+        return (self._task is not None and self._task is not _COMPLETED
+                and self.grad_storage is not None
+                and self.grad_storage._version != self._issued_version)
 
     def _local_shard(self, buffer):
         shard = buffer.numel() // self._nranks

@@ -913,11 +913,27 @@ class _OwnOverlap:
                 most = max(most, acc if b._params_checked_in else max(left, default=0))
         for b in buffers:
             fewest = min(fewest, min(b._params_step_dict.values(), default=acc))
+        changed = [b._id for b in buffers if b._changed_in_flight()]
         device = buffers[0].params[0].device
-        mine = torch.tensor([most, fewest], dtype=torch.int64, device=device)
+        mine = torch.tensor([most, fewest, len(changed)], dtype=torch.int64, device=device)
         counts = [torch.empty_like(mine) for _ in range(self._nranks)]
         dist.all_gather(counts, mine, group=self._group)
         counts = [c.tolist() for c in counts]
+        if any(n for _, _, n in counts):  # beyond Paddle: a grad changed while in flight
+            for buffer in buffers:
+                buffer._task.wait()
+                buffer._reset_params_checked_in()
+            self._reset_check_in_order()
+            ranks = [global_rank(self._group, r) for r, (_, _, n) in enumerate(counts) if n]
+            raise ValueError(
+                "sharding_configs.comm_overlap: a grad was changed in place while its bucket's "
+                f"collective was in flight (on global rank(s) {ranks}; here buckets "
+                f"{changed or 'none'}), e.g. by torch.nn.utils.clip_grad_norm_(model."
+                "parameters()) or grad.mul_() between backward and step(): the reduce would "
+                "mix old and new values. Clip with opt.clip_grad_norm_(max_norm), which waits "
+                "for the collectives first; change grads only after step(). The grads of this "
+                "step are not usable: clear them")
+        counts = [(high, low) for high, low, _ in counts]
         if all(high == low == acc for high, low in counts):
             self._last_issue_order = list(self._issue_order)
             self._reset_check_in_order()

@@ -1233,3 +1233,21 @@ def test_failure_param_left_out_under_pipeline(ranks, version, release):
     _same_error(seen, 4, "was not complete after accumulate_steps=2 micro-batches")
     assert "on this rank: bucket 0 (" in seen[3][1] and "(1 of 2)" in seen[3][1], seen[3]
     assert [r[1] for r in results] == [0.0] * 4
+
+
+def test_torch_clip_under_overlap_raises(ranks):
+    """Check that torch.nn.utils.clip_grad_norm_ between backward and step() under sharding's
+    own overlap (grads in flight) raises the same ValueError on every rank (v1, v2) naming
+    opt.clip_grad_norm_, and that after zero_grad() training goes on to the one-process
+    result."""
+    results = ranks(2).run(loops.torch_clip_in_flight)
+    assert len(results) == 2
+    (out0, oracle), (out1, _) = results
+    assert sorted(out0) == sorted(out1) == [1, 2]
+    for version in (1, 2):
+        assert out0[version][0] == out1[version][0]
+        assert "opt.clip_grad_norm_(max_norm)" in out0[version][0]
+        for params in (out0[version][1], out1[version][1]):
+            assert len(params) == len(oracle) > 0
+            for got, want in zip(params, oracle):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

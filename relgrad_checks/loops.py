@@ -166,3 +166,26 @@ def setup_mismatch(rank, world):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
     dist.barrier()
     return messages, start
+
+
+def torch_clip_in_flight(rank, world):
+    """torch.nn.utils.clip_grad_norm_ between backward and step() under sharding's own overlap
+    (the grads are being reduced then): every rank raises at step(); after zero_grad() the
+    same optimizer trains on to the one-process result. Returns {version: (message, params)}."""
+    import pytest
+    out = {}
+    for version in (1, 2):
+        model, opt = _sharded(world, version, True, 1)
+        for x, y in _micro_batches(rank, world, 0, 1):
+            F.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        with pytest.raises(ValueError, match="changed in place while its bucket") as info:
+            opt.step()
+        opt.zero_grad()
+        for step in range(STEPS):
+            for x, y in _micro_batches(rank, world, step, 1):
+                F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out[version] = (str(info.value), [p.detach().clone() for p in model.parameters()])
+    return out, _oracle(STEPS)[0]
