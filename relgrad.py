@@ -319,6 +319,11 @@ def parse_args(argv=None):
     p.add_argument("--peers", action="store_true",
                    help="compare with torch's DDP + ZeroRedundancyOptimizer and FSDP2 instead: "
                    "sharding 2 without pipeline, 2 processes")
+    p.add_argument("--walkthrough", nargs="?", const="all", choices=("all", "v2", "v1", "dp"),
+                   help="instead, narrate the life of the fused grad buffers on a tiny model, "
+                   "event by event, each tagged with the function that makes it happen: v2 "
+                   "(sharding v2 alone, 2 processes), v1 (pipeline 2 x sharding 2, 4), dp "
+                   "(pipeline 2 x dp 2, 4), or all three (no value)")
     p.add_argument("--trace", metavar="FILE",
                    help="also write a Chrome trace (Perfetto, chrome://tracing) of the runs")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
@@ -348,6 +353,8 @@ def parse_args(argv=None):
         p.error("--peers runs one layout, sharding 2 without pipeline in fp32 on 2 processes; "
                 f"got --pp {args.pp} --sharding {args.sharding} --dp {args.dp}"
                 f"{' --main-grad' if args.main_grad else ''}: drop those flags")
+    if args.walkthrough and (args.peers or args.json or args.trace):
+        p.error("--walkthrough runs on its own: drop --peers, --json and --trace")
     from relgrad_demo.lm import load_text  # the demo imports this module: import it once we run
     try:
         chars = len(load_text(args.data))
@@ -357,7 +364,7 @@ def parse_args(argv=None):
         p.error(f"the text has {chars} characters; --block {args.block} needs at least "
                 f"{args.block + 2}: pass a longer --data file or a smaller --block")
     opts = {k: v for k, v in vars(args).items()
-            if k not in ("quiet", "json", "timeout", "peers")}
+            if k not in ("quiet", "json", "timeout", "peers", "walkthrough")}
     return args, opts
 
 
@@ -365,6 +372,11 @@ def main(argv=None):
     """Run the main job (or --peers) locally (own ranks) or inside torchrun; print the
     report; return the exit status."""
     args, opts = parse_args(argv)
+    if args.walkthrough:  # its own local ranks, also under torchrun (rank 0 runs it)
+        from relgrad_demo import walkthrough
+        if int(os.environ.get("RANK", 0)) != 0:
+            return 0
+        return walkthrough.main(args.walkthrough, timeout=args.timeout)
     from relgrad_demo import job, peers, report, trace
     if args.peers:
         fn, world, shown = peers.peers_job, 2, peers
