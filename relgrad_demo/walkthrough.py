@@ -17,7 +17,6 @@ before and after. Nothing in the library changes and nothing runs when no walkth
 Addresses are element offsets into `grad_storage`; one element per rank is watched (element 0
 of its first param), so the reduced value can be checked by hand: the mean of the ranks' sums.
 """
-import ast
 import gc
 import sys
 import time
@@ -125,9 +124,10 @@ class _Narrator:
         self.events, self.step = [], 0
         self._buffers = []
 
-    def emit(self, kind, where, text, mb=None, **data):
+    def emit(self, kind, where, text, mb=None, buffer=None, **data):
         self.events.append({"step": self.step, "mb": mb, "kind": kind, "file": where[0],
-                            "func": where[1], "text": text, **data})
+                            "func": where[1], "text": text,
+                            "bucket": None if buffer is None else self._bucket(buffer), **data})
 
     # ---- the buffers ----
 
@@ -142,8 +142,10 @@ class _Narrator:
 
     def _spy_buffer(self, b):
         _spy(b, "add_grad", before=lambda param, *a, **k: self._before_add(b, param))
-        _spy(b, "_copy_grad_to_buffer", before=lambda *a, **k: b.grad_storage is None,
-             after=lambda absent, param, *a, **k: self._after_copy(b, param, absent))
+        _spy(b, "_copy_grad_to_buffer",
+             before=lambda param, *a, **k: (b.grad_storage is None,
+                                            b._params_step_dict.get(param)),
+             after=lambda state, param, *a, **k: self._after_copy(b, param, *state))
         _spy(b, "_comm_grads", before=lambda *a, **k: self._before_comm(b))
         _spy(b, "scale_grads", after=lambda *a, **k: self._after_wait(b))
         _spy(b, "_clear_grad_storage", before=lambda *a, **k: self._before_free(b),
@@ -175,7 +177,7 @@ class _Narrator:
         self.emit("build", built_by,
                   f"{self._bucket(buffer)}: FusedCommBuffer(id {buffer._id}, "
                   f"{_ACTIONS[buffer._act]}{to} over ranks {group}, acc_steps="
-                  f"{buffer._acc_steps}, release_grads={buffer._release_grads})")
+                  f"{buffer._acc_steps}, release_grads={buffer._release_grads})", buffer=buffer)
         slots = ", ".join(f"{self.names[p]} [{o}, {o + p.numel()}) in a slot of {size}"
                           for p, o, size in self._slots(buffer))
         text = (f"{slots}: {buffer.buffer_size} x {str(buffer._dtype).replace('torch.', '')} "
@@ -193,8 +195,8 @@ class _Narrator:
                      f"{', '.join(map(str, views))}")
         layout = ("build_reduce_scatter_buffer" if buffer._act == HOOK_ACTION.REDUCE_SCATTER
                   else "flatten_dense_tensors")
-        self.emit("layout", ("comm_buffer.py", layout), text,
-                  allocated=buffer.grad_storage is not None, views=views,
+        self.emit("layout", ("comm_buffer.py", layout), text, buffer=buffer,
+                  bytes=self._bytes(buffer), allocated=buffer.grad_storage is not None, views=views,
                   slots=[o for _, o, _ in self._slots(buffer)])
 
     def _value(self, buffer):
@@ -222,25 +224,26 @@ class _Narrator:
         self.emit("add", ("comm_buffer.py", "add_grad"),
                   f"{self.names[param]}: backward added micro-batch {mb}'s grad in place; the "
                   f"grad is still the view at offset {offset} ({where}); {name} = {_num(value)}",
-                  mb=mb, param=self.names[param], offset=offset, same=same, value=value)
+                  mb=mb, buffer=buffer, param=self.names[param], offset=offset, same=same,
+                  value=value)
 
-    def _after_copy(self, buffer, param, was_absent):
+    def _after_copy(self, buffer, param, was_absent, mb):
         where = ("comm_buffer.py", "_copy_grad_to_buffer")
         if was_absent and buffer.grad_storage is not None:
             dtype = str(buffer._dtype).replace("torch.", "")
             self.emit("alloc", where,
                       f"first check-in of the step ({self.names[param]}): allocate grad_storage "
                       f"= zeros({buffer.buffer_size}) {dtype}, {self._bytes(buffer)} B",
-                      mb=0, bytes=self._bytes(buffer))
+                      mb=mb, buffer=buffer, bytes=self._bytes(buffer))
         slot = self._slot_of(buffer, param)
         offset = _offset(main_grad_or_grad(param), buffer.grad_storage)
         name, value = self._element(buffer, param)
         self.emit("copy", where,
-                  f"{self.names[param]}: micro-batch 0's grad added into slot [{slot}, "
+                  f"{self.names[param]}: micro-batch {mb}'s grad added into slot [{slot}, "
                   f"{slot + param.numel()}), the grad re-pointed: a view at offset {offset}; "
                   f"{name} = {_num(value)}",
-                  mb=0, param=self.names[param], offset=offset, same=offset == slot,
-                  value=value)
+                  mb=mb, buffer=buffer, param=self.names[param], offset=offset,
+                  same=offset == slot, value=value)
 
     def _reads(self, buffer):
         """(text, reads the watched element) for this rank after `buffer`'s collective."""
@@ -267,7 +270,7 @@ class _Narrator:
                   f"{buffer.buffer_size} elements over ranks {group}; {reads}"
                   + ("" if value is None else
                      f"; sends {self.wname} = {_num(value)}"),
-                  group=group, sent=value,
+                  buffer=buffer, group=group, sent=value,
                   watched=None if value is None else self.wname)
 
     def _after_wait(self, buffer):
@@ -280,7 +283,7 @@ class _Narrator:
             text += f"; {self.wname} = {_num(value)} (the mean of the sums)"
         elif self._holds(buffer, self.watched):
             text += f"; {self.wname} is not read here"
-        self.emit("wait", ("comm_buffer.py", "scale_grads"), text, reduced=value,
+        self.emit("wait", ("comm_buffer.py", "scale_grads"), text, buffer=buffer, reduced=value,
                   watched=None if value is None else self.wname)
 
     def _before_free(self, buffer):
@@ -290,14 +293,16 @@ class _Narrator:
     def _after_free(self, buffer, state):
         if state is None:
             self.emit("free", ("comm_buffer.py", "_clear_grad_storage"),
-                      f"{self._bucket(buffer)}: nothing allocated, nothing to free", freed=None)
+                      f"{self._bucket(buffer)}: nothing allocated, nothing to free",
+                      buffer=buffer, freed=None)
             return
         ref, nbytes = state
         freed = _dead(ref) and buffer.grad_storage is None
         self.emit("free", ("comm_buffer.py", "_clear_grad_storage"),
                   f"{self._bucket(buffer)}: grad_storage None; "
                   + (f"its {nbytes} B are freed (no tensor points into it any more)" if freed
-                     else f"its {nbytes} B are STILL referenced"), freed=freed, bytes=nbytes)
+                     else f"its {nbytes} B are STILL referenced"), buffer=buffer, freed=freed,
+                  bytes=nbytes)
 
     # ---- the optimizer ----
 
@@ -338,7 +343,7 @@ class _Narrator:
             event = {"kind": "clear", "text": f"{call}: grads dropped ({dropped} of "
                      f"{len(self.names)} params' grads are None)", "dropped": dropped}
         self.events.insert(mark, {"step": self.step, "mb": None, "file": self.where["clear"][0],
-                                  "func": self.where["clear"][1], **event})
+                                  "func": self.where["clear"][1], "bucket": None, **event})
 
     def _after_slices(self, optimizer):
         where = ("sharding.py", "DygraphShardingOptimizerV2._assign_slice_grad")
@@ -351,7 +356,8 @@ class _Narrator:
                 else:
                     text = (f"{self.names[param]}: slice grad bound to buffer elements "
                             f"[{offset}, {offset + grad.numel()}), what this rank steps")
-                self.emit("slice", where, text, param=self.names[param], offset=offset)
+                self.emit("slice", where, text, buffer=buffer, param=self.names[param],
+                          offset=offset)
 
 
 def _spy(obj, method, before=None, after=None):
@@ -512,19 +518,6 @@ def render(layout, results):
     lines.append(f"   release off vs on: params after step {STEPS} bitwise equal on every rank: "
                  f"{equal}")
     return lines
-
-
-def defined_functions(path):
-    """Names a tag may use for `path` (a Python file): each function or method name, and
-    `Class.method` for each method."""
-    names = set()
-    for node in ast.walk(ast.parse(Path(path).read_text(encoding="utf-8"))):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            names.add(node.name)
-        if isinstance(node, ast.ClassDef):
-            names.update(f"{node.name}.{item.name}" for item in node.body
-                         if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)))
-    return names
 
 
 def main(which="all", timeout=300.0):
