@@ -222,8 +222,8 @@ class _Narrator:
         where = "same address" if same else "NOT its slot's view"
         name, value = self._element(buffer, param)
         self.emit("add", ("comm_buffer.py", "add_grad"),
-                  f"{self.names[param]}: backward added micro-batch {mb}'s grad in place; the "
-                  f"grad is still the view at offset {offset} ({where}); {name} = {_num(value)}",
+                  f"{self.names[param]}: backward added mb {mb}'s grad in place, the grad is "
+                  f"still the view at offset {offset} ({where}); {name} = {_num(value)}",
                   mb=mb, buffer=buffer, param=self.names[param], offset=offset, same=same,
                   value=value)
 
@@ -232,41 +232,41 @@ class _Narrator:
         if was_absent and buffer.grad_storage is not None:
             dtype = str(buffer._dtype).replace("torch.", "")
             self.emit("alloc", where,
-                      f"first check-in of the step ({self.names[param]}): allocate grad_storage "
-                      f"= zeros({buffer.buffer_size}) {dtype}, {self._bytes(buffer)} B",
+                      f"first check-in ({self.names[param]}): allocate grad_storage = zeros("
+                      f"{buffer.buffer_size}) {dtype}, {self._bytes(buffer)} B",
                       mb=mb, buffer=buffer, bytes=self._bytes(buffer))
         slot = self._slot_of(buffer, param)
         offset = _offset(main_grad_or_grad(param), buffer.grad_storage)
         name, value = self._element(buffer, param)
         self.emit("copy", where,
-                  f"{self.names[param]}: micro-batch {mb}'s grad added into slot [{slot}, "
-                  f"{slot + param.numel()}), the grad re-pointed: a view at offset {offset}; "
-                  f"{name} = {_num(value)}",
+                  f"{self.names[param]}: mb {mb}'s grad added into slot [{slot}, "
+                  f"{slot + param.numel()}), the grad re-pointed to it (a view at offset "
+                  f"{offset}); {name} = {_num(value)}",
                   mb=mb, buffer=buffer, param=self.names[param], offset=offset,
                   same=offset == slot, value=value)
 
     def _reads(self, buffer):
-        """(text, reads the watched element) for this rank after `buffer`'s collective."""
-        rank = dist.get_rank()
+        """(what this rank reads of `buffer` after its collective, whether that is anything,
+        whether it is the watched element)."""
         if buffer._act == HOOK_ACTION.ALL_REDUCE:
-            return "every rank reads the whole sum", True
+            return "every rank reads all", True, True
         if buffer._act == HOOK_ACTION.REDUCE:
-            if rank == buffer._dst:
-                return "this rank owns the bucket and reads the sum", True
-            return f"rank {buffer._dst} owns the bucket; this rank reads nothing of it", False
+            if dist.get_rank() == buffer._dst:
+                return "this rank owns it, reads all", True, True
+            return f"rank {buffer._dst} owns it, this rank reads nothing", False, False
         shard = buffer.buffer_size // buffer._nranks
         begin = dist.get_rank(buffer._comm_group) * shard
         watched = (self._holds(buffer, self.watched)
                    and begin <= self._slot_of(buffer, self.watched) < begin + shard)
-        return f"this rank reads its shard [{begin}, {begin + shard})", watched
+        return f"this rank reads its shard [{begin}, {begin + shard})", True, watched
 
     def _before_comm(self, buffer):
         group = dist.get_process_group_ranks(buffer._comm_group or dist.group.WORLD)
-        reads, _ = self._reads(buffer)
+        reads, _, _ = self._reads(buffer)
         to = f" to rank {buffer._dst}" if buffer._act == HOOK_ACTION.REDUCE else ""
         value = self._value(buffer)
         self.emit("comm", ("comm_buffer.py", "_comm_grads"),
-                  f"{self._bucket(buffer)}: {_ACTIONS[buffer._act]}{to} (sum) of all "
+                  f"{self._bucket(buffer)}: {_ACTIONS[buffer._act]}{to} (sum) of its "
                   f"{buffer.buffer_size} elements over ranks {group}; {reads}"
                   + ("" if value is None else
                      f"; sends {self.wname} = {_num(value)}"),
@@ -274,13 +274,13 @@ class _Narrator:
                   watched=None if value is None else self.wname)
 
     def _after_wait(self, buffer):
-        reads, watched = self._reads(buffer)
+        _, anything, watched = self._reads(buffer)
         value = self._value(buffer) if watched else None
-        text = (f"{self._bucket(buffer)}: waited; scaled by 1/{buffer._nranks} what this rank "
-                f"reads" if not reads.endswith("nothing of it") else
-                f"{self._bucket(buffer)}: waited; nothing to scale here ({reads})")
+        text = (f"{self._bucket(buffer)}: waited, " + (
+            f"scaled what this rank reads by 1/{buffer._nranks}" if anything else
+            "nothing read or scaled here"))
         if value is not None:
-            text += f"; {self.wname} = {_num(value)} (the mean of the sums)"
+            text += f"; {self.wname} = {_num(value)}, the mean of the sums"
         elif self._holds(buffer, self.watched):
             text += f"; {self.wname} is not read here"
         self.emit("wait", ("comm_buffer.py", "scale_grads"), text, buffer=buffer, reduced=value,
@@ -299,9 +299,9 @@ class _Narrator:
         ref, nbytes = state
         freed = _dead(ref) and buffer.grad_storage is None
         self.emit("free", ("comm_buffer.py", "_clear_grad_storage"),
-                  f"{self._bucket(buffer)}: grad_storage None; "
-                  + (f"its {nbytes} B are freed (no tensor points into it any more)" if freed
-                     else f"its {nbytes} B are STILL referenced"), buffer=buffer, freed=freed,
+                  f"{self._bucket(buffer)}: grad_storage None, "
+                  + (f"its {nbytes} B freed (no tensor points into it)" if freed
+                     else f"its {nbytes} B STILL referenced"), buffer=buffer, freed=freed,
                   bytes=nbytes)
 
     # ---- the optimizer ----
@@ -334,14 +334,14 @@ class _Narrator:
                     if b.grad_storage is not None]
             offset = next((_offset(grad, b.grad_storage) for b in self._buffers
                            if self._holds(b, self.watched)), None)
-            event = {"kind": "zero", "text": f"{call}: grads zeroed in place, the buffers kept "
-                     f"({', '.join(kept)}); {self.names[self.watched]}.grad is still the view at "
+            event = {"kind": "zero", "text": f"{call}: grads zeroed in place, buffers kept "
+                     f"({', '.join(kept)}); {self.names[self.watched]}.grad still the view at "
                      f"offset {offset}, {self.wname} = {_num(float(grad.reshape(-1)[0]))}",
                      "kept": len(kept)}
         else:
             dropped = sum(main_grad_or_grad(p) is None for p in self.names)
             event = {"kind": "clear", "text": f"{call}: grads dropped ({dropped} of "
-                     f"{len(self.names)} params' grads are None)", "dropped": dropped}
+                     f"{len(self.names)} are None)", "dropped": dropped}
         self.events.insert(mark, {"step": self.step, "mb": None, "file": self.where["clear"][0],
                                   "func": self.where["clear"][1], "bucket": None, **event})
 
@@ -354,8 +354,12 @@ class _Narrator:
                 if grad is None:
                     text = f"{self.names[param]}: none of its elements on this rank, no slice"
                 else:
+                    view = buffer._sharding_param_grad_view[param]
+                    own = min(offset + grad.numel(), view._index + param.numel()) - offset
                     text = (f"{self.names[param]}: slice grad bound to buffer elements "
-                            f"[{offset}, {offset + grad.numel()}), what this rank steps")
+                            f"[{offset}, {offset + grad.numel()}) ({own} of "
+                            f"{self.names[param]}, {grad.numel() - own} padding): what this "
+                            "rank steps")
                 self.emit("slice", where, text, buffer=buffer, param=self.names[param],
                           offset=offset)
 
@@ -396,7 +400,7 @@ def _run_v2(hcg, strategy, rank):
     narrator = _Narrator(names, model.w, {
         "step": ("sharding.py", "DygraphShardingOptimizerV2.step"),
         "clear": ("sharding.py", "DygraphShardingOptimizerV2.clear_grad"),
-        "step_text": f"SGD (lr {LR}) steps this rank's slices, the params are all-gathered"})
+        "step_text": f"SGD (lr {LR}) on this rank's slices, then the params all-gathered"})
     optimizer = DygraphShardingOptimizerV2(torch.optim.SGD(model.parameters(), lr=LR), hcg,
                                            strategy)
     narrator.watch_buffers(optimizer._comm_buffer_list,
@@ -418,10 +422,11 @@ def _run_pipeline(hcg, strategy, rank):
     layer = model._layers[0]
     names = {layer.w: f"w{stage}", layer.b: f"b{stage}"}
     step_where = ("pipeline.py", "PipelineParallel._optimizer_step")
-    owned = ("v1 steps the params this rank owns, each is broadcast from its owner"
-             if hcg.get_sharding_parallel_world_size() > 1 else "optimizer.step()")
+    owned = (f"v1: SGD (lr {LR}) on the params this rank owns, then each broadcast from its "
+             "owner" if hcg.get_sharding_parallel_world_size() > 1 else
+             f"optimizer.step(): SGD (lr {LR})")
     narrator = _Narrator(names, layer.w, {"step": step_where, "clear": step_where,
-                                          "step_text": f"{owned} (SGD, lr {LR})"})
+                                          "step_text": owned})
     fused = ("pipeline.py", "PipelineParallel.fused_gradient")
     narrator.watch_buffers([b for bs in model._chunk_2_comm_buffers.values() for b in bs], fused)
     # sharding buffers are built in the first train_batch (v1's owners live in the optimizer)
