@@ -865,6 +865,10 @@ def test_walkthrough(ranks, layout):
                              else "pipeline.py"], sorted(known)
     missing = sorted({f"{f}: {name}" for f, name in tags if name not in known[f]})
     assert missing == [], missing
+    # every seed hunk of this layout's files shows up (the other layout function aside)
+    other = "flatten_dense_tensors" if layout == "v2" else "build_reduce_scatter_buffer"
+    hunks = {t for t in wt.SEED_HUNKS if t[0] in known and t[1] != other}
+    assert len(hunks) >= 6 and hunks <= set(tags), sorted(hunks - set(tags))
 
 
 def test_walkthrough_flags():

@@ -21,7 +21,6 @@ import gc
 import sys
 import time
 import weakref
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,6 @@ from relgrad import (DygraphShardingConfig, HybridCommunicateGroup, HybridStrate
                      launch)
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
 
-REPO = Path(__file__).resolve().parent.parent
 WORLD = {"v2": 2, "v1": 4, "dp": 4}  # the layouts, in the order shown, and their ranks
 TITLES = {
     "v2": "sharding v2 alone, its own overlap (sharding_configs.comm_overlap): reduce-scatter; "
@@ -58,6 +56,19 @@ _ACTIONS = {HOOK_ACTION.ALL_REDUCE: "all-reduce", HOOK_ACTION.REDUCE: "reduce",
 #   step: the optimizer steps
 #   clear, free: release: grads dropped, then the buffer freed
 #   zero: release off: grads zeroed in place, the buffer kept
+# The tags that name a hunk of the seed diff (README, "The seed diff, hunk by hunk"; the
+# layout functions are the constructor's part of the `tensor_fusion_helper.py` row). Lines
+# with other tags show the calls around the hunks: the collective, the wait, the step.
+SEED_HUNKS = {
+    ("comm_buffer.py", "flatten_dense_tensors"), ("comm_buffer.py", "build_reduce_scatter_buffer"),
+    ("comm_buffer.py", "add_grad"), ("comm_buffer.py", "_copy_grad_to_buffer"),
+    ("comm_buffer.py", "_clear_grad_storage"),
+    ("sharding.py", "DygraphShardingOptimizerV2._build_comm_buffers"),
+    ("sharding.py", "DygraphShardingOptimizerV2._assign_slice_grad"),
+    ("sharding.py", "DygraphShardingOptimizerV2.clear_grad"),
+    ("pipeline.py", "PipelineParallel.fused_gradient"),
+    ("pipeline.py", "PipelineParallel._optimizer_step"),
+}
 KINDS = ("build", "layout", "alloc", "copy", "add", "comm", "wait", "slice", "step", "clear",
          "free", "zero")
 
@@ -115,7 +126,8 @@ class _Narrator:
     """Spies on one run's buffers and optimizer; `events` is what they saw, in order.
 
     `names`: param -> its name; `watched`: the param whose element 0 is followed; `where`:
-    (file, function) tags of the run's optimizer step and grad clearing.
+    the (file, function) tags of the run's optimizer step ("step") and grad clearing
+    ("clear"), and how its step line starts ("step_text").
     """
 
     def __init__(self, names, watched, where):
@@ -504,8 +516,9 @@ def render(layout, results):
     """The walkthrough's lines for one layout: per mode, per rank in order, one line per event
     (`s<step> mb<micro-batch>  [file: function] what happened`), then the hand sums."""
     lines = [f"== {layout}: {TITLES[layout]}",
-             f"   {STEPS} steps x {MICRO_BATCHES} micro-batches, SGD lr {LR}; Affine layers "
-             "x @ w + b (w 2 x 2, b 2); offsets in elements of grad_storage"]
+             f"   {STEPS} steps x {MICRO_BATCHES} micro-batches (mb), SGD lr {LR}; Affine "
+             "layers x @ w + b (w 2 x 2, b 2); offsets in elements of grad_storage; "
+             "[file: function]* is a hunk of the seed diff"]
     for mode in MODES:
         lines.append(f"-- release {mode} (pp_configs.release_gradients="
                      f"{mode == 'on'})")
@@ -514,7 +527,8 @@ def render(layout, results):
             for e in r["events"][mode]:
                 where = (f"s{e['step']}" + ("" if e["mb"] is None else f" mb{e['mb']}")
                          if e["step"] else "build")
-                lines.append(f"  {where:<7} [{e['file']}: {e['func']}] {e['text']}")
+                star = "*" if (e["file"], e["func"]) in SEED_HUNKS else ""
+                lines.append(f"  {where:<7} [{e['file']}: {e['func']}]{star} {e['text']}")
         for entry in hand_sums(results, mode):
             sent = " + ".join(f"{_num(v)} (rank {k})" for k, v in sorted(entry["sent"].items()))
             read = ", ".join(f"rank {k} {_num(v)}" for k, v in sorted(entry["read"].items()))
