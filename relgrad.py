@@ -8,7 +8,8 @@ Mirrors the `PpConfig` / `DygraphShardingConfig` messages of
 small character-level LM on real text (this repo's own files) once per release mode, off and
 on, same seed and data, and prints what each run held between steps and during one step, the
 step times and whether the runs are bitwise equal (`--peers`: the same LM under torch's DDP +
-ZeroRedundancyOptimizer and FSDP2 beside this repo's sharding v2). Under `torchrun` it joins
+ZeroRedundancyOptimizer and FSDP2 beside this repo's sharding v2; `--walkthrough`: the life of
+the fused grad buffers on a tiny model, event by event). Under `torchrun` it joins
 that job instead (nccl on GPUs, gloo otherwise). The job itself lives in `demo/`; the launcher
 here also serves the tests.
 
@@ -355,6 +356,9 @@ def parse_args(argv=None):
                 f"{' --main-grad' if args.main_grad else ''}: drop those flags")
     if args.walkthrough and (args.peers or args.json or args.trace):
         p.error("--walkthrough runs on its own: drop --peers, --json and --trace")
+    if args.walkthrough and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        p.error("--walkthrough starts its own local processes (2 and 4): run it without "
+                "torchrun")
     from relgrad_demo.lm import load_text  # the demo imports this module: import it once we run
     try:
         chars = len(load_text(args.data))
@@ -372,10 +376,8 @@ def main(argv=None):
     """Run the main job (or --peers) locally (own ranks) or inside torchrun; print the
     report; return the exit status."""
     args, opts = parse_args(argv)
-    if args.walkthrough:  # its own local ranks, also under torchrun (rank 0 runs it)
+    if args.walkthrough:
         from relgrad_demo import walkthrough
-        if int(os.environ.get("RANK", 0)) != 0:
-            return 0
         return walkthrough.main(args.walkthrough, timeout=args.timeout)
     from relgrad_demo import job, peers, report, trace
     if args.peers:

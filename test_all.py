@@ -871,16 +871,23 @@ def test_walkthrough(ranks, layout):
     assert len(hunks) >= 6 and hunks <= set(tags), sorted(hunks - set(tags))
 
 
-def test_walkthrough_flags():
+def test_walkthrough_flags(monkeypatch, capsys):
     """Check that --walkthrough takes no value (all layouts) or one of v2, v1, dp, and refuses
-    other values and the flags it cannot honour."""
+    other values, the flags it cannot honour and torchrun, naming the fix."""
     import relgrad
     assert relgrad.parse_args(["--walkthrough"])[0].walkthrough == "all"
     assert relgrad.parse_args(["--walkthrough", "v1"])[0].walkthrough == "v1"
     assert relgrad.parse_args([])[0].walkthrough is None
-    for argv in (["--walkthrough", "v3"], ["--walkthrough", "--json"]):
+    for argv, message in ((["--walkthrough", "v3"], "invalid choice: 'v3'"),
+                          (["--walkthrough", "--json"], "drop --peers, --json and --trace"),
+                          (["--walkthrough", "--pp", "1"], None)):
+        if message is None:  # under torchrun
+            monkeypatch.setenv("RANK", "0")
+            monkeypatch.setenv("WORLD_SIZE", "2")
+            message = "run it without torchrun"
         with pytest.raises(SystemExit):
             relgrad.parse_args(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_cli_errors():
