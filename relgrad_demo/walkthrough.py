@@ -24,6 +24,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 from comm_buffer import HOOK_ACTION, main_grad_or_grad
@@ -406,7 +407,7 @@ def _strategy(layout, release):
                           micro_batch_size=1, pp_configs=pp_configs)
 
 
-def _run_v2(hcg, strategy, rank):
+def _run_v2(hcg, strategy):
     model = Affine()
     names = {model.w: "w", model.b: "b"}
     narrator = _Narrator(names, model.w, {
@@ -428,7 +429,7 @@ def _run_v2(hcg, strategy, rank):
     return narrator, list(model.parameters())
 
 
-def _run_pipeline(hcg, strategy, rank):
+def _run_pipeline(hcg, strategy):
     model = PipelineParallel([Affine(), Affine()], hcg, strategy, _loss)
     stage = hcg.get_stage_id()
     layer = model._layers[0]
@@ -457,9 +458,10 @@ def _run_pipeline(hcg, strategy, rank):
 
 
 def rank_walkthrough(rank, world, layout):
-    """On every rank: run `layout` release off, then on; returns {"rank", "stage", "group"
-    (its sharding / dp index), "events": {mode: [event dicts]}, "equal": params after the last
-    step bitwise equal between the modes}. Needs `WORLD[layout]` ranks."""
+    """On every rank: run `layout` release off, then on. Returns {"rank", "stage", "sharding"
+    and "dp" (this rank's index along each), "events": {mode: [event dicts, in order]},
+    "equal": this rank's params after the last step bitwise equal between the modes}.
+    Raises ValueError unless `world` is `WORLD[layout]`."""
     if world != WORLD[layout]:
         raise ValueError(f"layout {layout!r} runs on {WORLD[layout]} ranks, got {world}")
     events, params = {}, {}
@@ -467,7 +469,7 @@ def rank_walkthrough(rank, world, layout):
     for mode in MODES:
         strategy = _strategy(layout, mode == "on")
         run = _run_v2 if layout == "v2" else _run_pipeline
-        narrator, final = run(hcg, strategy, rank)
+        narrator, final = run(hcg, strategy)
         events[mode] = narrator.events
         params[mode] = [p.detach().clone() for p in final]
     # Every rank past every group's setup before any exits: a rank leaving while a peer's
@@ -550,11 +552,16 @@ def rank_walkthroughs(rank, world, layouts):
 
 def main(which="all", timeout=300.0):
     """`python relgrad.py --walkthrough [v2|v1|dp]`: run the layouts (one start of the local
-    processes per world size), print their lines in the order of WORLD."""
+    processes per world size), print their lines in the order of WORLD. Returns the exit
+    status: 0, or 1 if a rank raised (its traceback goes to stderr)."""
     layouts = list(WORLD) if which == "all" else [which]
     for i, world in enumerate(dict.fromkeys(WORLD[layout] for layout in layouts)):
         mine = [layout for layout in layouts if WORLD[layout] == world]
-        per_rank = launch(rank_walkthroughs, world, (mine,), timeout=timeout)
+        try:
+            per_rank = launch(rank_walkthroughs, world, (mine,), timeout=timeout)
+        except mp.ProcessRaisedException as e:
+            print(f"relgrad: a rank failed; its traceback:{e}", file=sys.stderr)
+            return 1
         for j, layout in enumerate(mine):
             if i or j:
                 print()
