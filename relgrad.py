@@ -8,7 +8,8 @@ Mirrors the `PpConfig` / `DygraphShardingConfig` messages of
 small character-level LM on real text (this repo's own files) once per release mode, off and
 on, same seed and data, and prints what each run held between steps and during one step, the
 step times and whether the runs are bitwise equal (`--peers`: the same LM under torch's DDP +
-ZeroRedundancyOptimizer and FSDP2 beside this repo's sharding v2). Under `torchrun` it joins
+ZeroRedundancyOptimizer and FSDP2 beside this repo's sharding v2; `--walkthrough`: the life of
+the fused grad buffers on a tiny model, event by event). Under `torchrun` it joins
 that job instead (nccl on GPUs, gloo otherwise). The job itself lives in `demo/`; the launcher
 here also serves the tests.
 
@@ -300,6 +301,10 @@ def _rank_entry(rank, fn, world_size, port, args, out_dir, timeout):
     result = fn(rank, world_size, *args)
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    # Every rank done before any tears down: a rank that exits while a peer's gloo threads
+    # still serve a subgroup's pairs can abort ("terminate called without an active
+    # exception"), seen here about once in ten runs without this barrier.
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -381,6 +386,11 @@ def parse_args(argv=None):
     p.add_argument("--peers", action="store_true",
                    help="compare with torch's DDP + ZeroRedundancyOptimizer and FSDP2 instead: "
                    "sharding 2 without pipeline, 2 processes")
+    p.add_argument("--walkthrough", nargs="?", const="all", choices=("all", "v2", "v1", "dp"),
+                   help="instead, narrate the life of the fused grad buffers on a tiny model, "
+                   "event by event, each tagged with the function that makes it happen: v2 "
+                   "(sharding v2 alone, 2 processes), v1 (pipeline 2 x sharding 2, 4), dp "
+                   "(pipeline 2 x dp 2, 4), or all three (no value)")
     p.add_argument("--trace", metavar="FILE",
                    help="also write a Chrome trace (Perfetto, chrome://tracing) of the runs")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
@@ -431,6 +441,11 @@ def parse_args(argv=None):
                     + ("it is a folder" if os.path.isdir(args.trace) else
                        f"no folder {folder}" if not os.path.isdir(folder) else
                        f"{folder} is not writable") + "); pass a file path in a folder that exists")
+    if args.walkthrough and (args.peers or args.json or args.trace):
+        p.error("--walkthrough runs on its own: drop --peers, --json and --trace")
+    if args.walkthrough and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        p.error("--walkthrough starts its own local processes (2 and 4): run it without "
+                "torchrun")
     from relgrad_demo.lm import load_text  # the demo imports this module: import it once we run
     try:
         if args.data is not None:
@@ -442,7 +457,7 @@ def parse_args(argv=None):
         p.error(f"the text has {chars} characters; --block {args.block} needs at least "
                 f"{args.block + 2}: pass a longer --data file or a smaller --block")
     opts = {k: v for k, v in vars(args).items()
-            if k not in ("quiet", "json", "timeout", "peers")}
+            if k not in ("quiet", "json", "timeout", "peers", "walkthrough")}
     return args, opts
 
 
@@ -463,6 +478,9 @@ def main(argv=None):
     """Run the main job (or --peers) locally (own ranks) or inside torchrun; print the
     report; return the exit status."""
     args, opts = parse_args(argv)
+    if args.walkthrough:
+        from relgrad_demo import walkthrough
+        return walkthrough.main(args.walkthrough, timeout=args.timeout)
     from relgrad_demo import job, peers, report, trace
     if args.peers:
         fn, world, shown = peers.peers_job, 2, peers
@@ -492,6 +510,7 @@ def main(argv=None):
         result = fn(rank, dist.get_world_size(), opts)
         gathered = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
+        dist.barrier()  # as in _rank_entry: every rank done before any tears down
         dist.destroy_process_group()
         if rank != 0:
             return 0

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import queue
+import re
 import subprocess
 import sys
 import time
@@ -791,6 +792,158 @@ def test_peers_agree(ranks):
         nbytes = released[-1][0]
         assert off[rank] - on[rank] >= nbytes - 4096, (rank, off[rank] - on[rank], nbytes)
     peers.print_report(summary)
+
+
+# ---------------------------------------------------------------- --walkthrough
+
+def _tag_names(path):
+    """Function names in `path` a tag may name: `f` for any def, `Class.method` for methods."""
+    import ast
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.FunctionDef):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            names |= {f"{node.name}.{f.name}" for f in node.body
+                      if isinstance(f, ast.FunctionDef)}
+    return names
+
+
+def _walk_oracle(layers):
+    """One process, plain torch SGD on the walkthrough's model and data: per step, each data
+    replica's accumulated grad of every layer's w[0,0] and the mean over the replicas."""
+    from relgrad_demo import walkthrough as wt
+    model = [wt.Affine() for _ in range(layers)]
+    params = [p for m in model for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=wt.LR)
+    out = []
+    for step in range(1, wt.STEPS + 1):
+        sums, local = [torch.zeros_like(p) for p in params], []
+        for replica in range(2):
+            for x in wt._inputs(replica, step):
+                h = x[None]
+                for m in model:
+                    h = m(h)
+                ((h * torch.ones(1, 2)).sum() / wt.MICRO_BATCHES).backward()
+            local.append([float(m.w.grad[0, 0]) for m in model])
+            for total, p in zip(sums, params):
+                total += p.grad
+                p.grad = None
+        for total, p in zip(sums, params):
+            p.grad = total * 0.5  # the mean over the 2 replicas, as the buffers scale it
+        opt.step()
+        opt.zero_grad()
+        out.append((local, [float(sums[2 * i][0, 0] * 0.5) for i in range(layers)]))
+    return out
+
+
+def _check_walk_order(events, release, buckets):
+    """The life of the buffers on one rank: built before any check-in (storage absent iff
+    release); per step and bucket, with release one allocation at the first check-in (micro-
+    batch 0) and none after, micro-batch 0 copied in, later ones added at the same offset; the
+    collective after its bucket's last check-in, then the wait; after the optimizer step only
+    the release (clear, then one free per bucket) or, off, the zeroing."""
+    from relgrad_demo import walkthrough as wt
+    assert len(events) > 0 and {e["kind"] for e in events} <= set(wt.KINDS)
+    layouts = [e for e in events if e["kind"] == "layout"]
+    assert len(layouts) == buckets and all(e["allocated"] is (not release) for e in layouts)
+    first_check_in = min(i for i, e in enumerate(events) if e["kind"] in ("alloc", "copy", "add"))
+    assert max(i for i, e in enumerate(events) if e["kind"] in ("build", "layout")) < first_check_in
+    for step in range(1, wt.STEPS + 1):
+        seq = [e for e in events if e["step"] == step and e["kind"] not in ("build", "layout")]
+        kinds = [e["kind"] for e in seq]
+        assert kinds.count("step") == 1, kinds
+        after = kinds[kinds.index("step") + 1:]
+        assert after == (["clear"] + ["free"] * buckets if release else ["zero"]), kinds
+        for e in seq:
+            if e["kind"] == "free":
+                assert e["freed"] is True and e["bytes"] > 0, e["text"]
+            if e["kind"] == "clear":
+                assert e["dropped"] > 0, e["text"]
+        names = {e["bucket"] for e in layouts}
+        assert len(names) == buckets
+        for bucket in names:
+            mine = [e for e in seq if e["bucket"] == bucket]
+            kinds = [e["kind"] for e in mine]
+            check_ins = [e for e in mine if e["kind"] in ("copy", "add")]
+            assert len(check_ins) > 0 and all(e["same"] for e in check_ins), kinds
+            if release:
+                assert kinds[0] == "alloc" and kinds.count("alloc") == 1, kinds
+                assert mine[0]["mb"] == 0 and mine[1]["kind"] == "copy", kinds
+                assert all((e["kind"] == "copy") == (e["mb"] == 0) for e in check_ins), kinds
+            else:
+                assert "alloc" not in kinds and "copy" not in kinds and "free" not in kinds
+            mbs = sorted(e["mb"] for e in check_ins)
+            per_mb = len(check_ins) // wt.MICRO_BATCHES  # the bucket's params
+            assert mbs == sorted(list(range(wt.MICRO_BATCHES)) * per_mb), mbs
+            offsets = {}
+            for e in check_ins:
+                assert offsets.setdefault(e["param"], e["offset"]) == e["offset"], kinds
+            last = max(i for i, k in enumerate(kinds) if k in ("copy", "add"))
+            tail = [k for k in kinds[last + 1:] if k != "slice"]  # v2 binds its slices
+            assert tail == ["comm", "wait"] + (["free"] if release else []), kinds
+
+
+@pytest.mark.parametrize("layout", ["v2", "v1", "dp"])
+def test_walkthrough(ranks, layout):
+    """Check that the walkthrough's events on every rank, release off and on, tell each
+    buffer's life in order, the reduced watched element equals the hand sum and a one-process
+    torch run, and every tag names a function that exists in the file it names."""
+    from relgrad_demo import walkthrough as wt
+    results = ranks(wt.WORLD[layout]).run(wt.rank_walkthrough, layout)
+    assert len(results) == wt.WORLD[layout]
+    buckets = {"v2": 1, "v1": 2, "dp": 1}[layout]
+    oracle = _walk_oracle(1 if layout == "v2" else 2)
+    for r in results:
+        assert r["equal"] is True
+        for mode in wt.MODES:
+            _check_walk_order(r["events"][mode], mode == "on", buckets)
+    for mode in wt.MODES:
+        sums = wt.hand_sums(results, mode)
+        assert len(sums) == wt.STEPS * (1 if layout == "v2" else 2)
+        for entry in sums:
+            assert len(entry["sent"]) == 2 and len(entry["read"]) >= 1, entry
+            sent = sorted(entry["sent"].items())
+            by_hand = (sent[0][1] + sent[1][1]) / 2
+            assert all(v == by_hand for v in entry["read"].values()), entry
+            local, mean = oracle[entry["step"] - 1]
+            for rank, value in sent:
+                r = results[rank]
+                replica = r["sharding"] if layout != "dp" else r["dp"]
+                assert value == local[replica][r["stage"]], (entry, local)
+            assert by_hand == mean[results[sent[0][0]]["stage"]], (entry, mean)
+    lines = wt.render(layout, results)
+    tags = [re.search(r"\[(\w+\.py): ([\w.]+)\]", line) for line in lines]
+    tags = [m.groups() for m in tags if m]
+    assert len(tags) == sum(len(r["events"][m]) for r in results for m in wt.MODES)
+    known = {f: _tag_names(Path(__file__).parent / f) for f in {f for f, _ in tags}}
+    assert sorted(known) == ["comm_buffer.py", "sharding.py" if layout == "v2"
+                             else "pipeline.py"], sorted(known)
+    missing = sorted({f"{f}: {name}" for f, name in tags if name not in known[f]})
+    assert missing == [], missing
+    # every seed hunk of this layout's files shows up (the other layout function aside)
+    other = "flatten_dense_tensors" if layout == "v2" else "build_reduce_scatter_buffer"
+    hunks = {t for t in wt.SEED_HUNKS if t[0] in known and t[1] != other}
+    assert len(hunks) >= 6 and hunks <= set(tags), sorted(hunks - set(tags))
+
+
+def test_walkthrough_flags(monkeypatch, capsys):
+    """Check that --walkthrough takes no value (all layouts) or one of v2, v1, dp, and refuses
+    other values, the flags it cannot honour and torchrun, naming the fix."""
+    import relgrad
+    assert relgrad.parse_args(["--walkthrough"])[0].walkthrough == "all"
+    assert relgrad.parse_args(["--walkthrough", "v1"])[0].walkthrough == "v1"
+    assert relgrad.parse_args([])[0].walkthrough is None
+    for argv, message in ((["--walkthrough", "v3"], "invalid choice: 'v3'"),
+                          (["--walkthrough", "--json"], "drop --peers, --json and --trace"),
+                          (["--walkthrough", "--pp", "1"], None)):
+        if message is None:  # under torchrun
+            monkeypatch.setenv("RANK", "0")
+            monkeypatch.setenv("WORLD_SIZE", "2")
+            message = "run it without torchrun"
+        with pytest.raises(SystemExit):
+            relgrad.parse_args(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_cli_errors():
