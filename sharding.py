@@ -919,12 +919,15 @@ class _OwnOverlap:
         counts = [torch.empty_like(mine) for _ in range(self._nranks)]
         dist.all_gather(counts, mine, group=self._group)
         counts = [c.tolist() for c in counts]
-        if any(n for _, _, n in counts):  # beyond Paddle: a grad changed while in flight
+        touched = [n for _, _, n in counts]
+        counts = [(high, low) for high, low, _ in counts]
+        complete = all(high == low == acc for high, low in counts)
+        if complete and any(touched):  # beyond Paddle: a grad changed while in flight
             for buffer in buffers:
                 buffer._task.wait()
                 buffer._reset_params_checked_in()
             self._reset_check_in_order()
-            ranks = [global_rank(self._group, r) for r, (_, _, n) in enumerate(counts) if n]
+            ranks = [global_rank(self._group, r) for r, n in enumerate(touched) if n]
             raise ValueError(
                 "sharding_configs.comm_overlap: a grad was changed in place while its bucket's "
                 f"collective was in flight (on global rank(s) {ranks}; here buckets "
@@ -933,8 +936,7 @@ class _OwnOverlap:
                 "mix old and new values. Clip with opt.clip_grad_norm_(max_norm), which waits "
                 "for the collectives first; change grads only after step(). The grads of this "
                 "step are not usable: clear them")
-        counts = [(high, low) for high, low, _ in counts]
-        if all(high == low == acc for high, low in counts):
+        if complete:
             self._last_issue_order = list(self._issue_order)
             self._reset_check_in_order()
             for buffer in buffers:

@@ -708,7 +708,9 @@ def test_torchrun_json():
     # off keeps one fp32 grad per param between steps (4 bytes each), on none
     config = result["config"]
     assert config["model"]["dtype"] == "float32" and config["model"]["params"] > 0
-    assert sum(off["idle_grad_bytes_counted"]) == 4 * config["model"]["params"]
+    # the tied embedding / head has a copy (and a grad) on each stage; params counts it once
+    tied = config["model"]["vocab"] * config["model"]["d_model"]
+    assert sum(off["idle_grad_bytes_counted"]) == 4 * (config["model"]["params"] + tied)
     assert all(n > 0 for n in off["idle_grad_bytes_counted"])
     assert on["idle_grad_bytes_counted"] == [0, 0]
     assert not config["pp_configs"]["sharding_comm_overlap"]
