@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from comm_buffer import HOOK_ACTION, main_grad_or_grad
+from comm_buffer import HOOK_ACTION, _stages_full_copies, main_grad_or_grad
 from pipeline import PipelineParallel
 from relgrad import (DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig,
                      launch)
@@ -277,9 +277,13 @@ class _Narrator:
         group = dist.get_process_group_ranks(buffer._comm_group or dist.group.WORLD)
         reads, _, _ = self._reads(buffer)
         to = f" to rank {buffer._dst}" if buffer._act == HOOK_ACTION.REDUCE else ""
+        kind = _ACTIONS[buffer._act]
+        if buffer._act == HOOK_ACTION.REDUCE_SCATTER and _stages_full_copies(
+                buffer._comm_group, buffer.grad_storage):  # what runs on gloo (see there)
+            kind = "reduce-scatter, run on gloo as an in-place all-reduce,"
         value = self._value(buffer)
         self.emit("comm", ("comm_buffer.py", "_comm_grads"),
-                  f"{self._bucket(buffer)}: {_ACTIONS[buffer._act]}{to} (sum) of its "
+                  f"{self._bucket(buffer)}: {kind}{to} (sum) of its "
                   f"{buffer.buffer_size} elements over ranks {group}; {reads}"
                   + ("" if value is None else
                      f"; sends {self.wname} = {_num(value)}"),
@@ -413,7 +417,8 @@ def _run_v2(hcg, strategy):
     narrator = _Narrator(names, model.w, {
         "step": ("sharding.py", "DygraphShardingOptimizerV2.step"),
         "clear": ("sharding.py", "DygraphShardingOptimizerV2.clear_grad"),
-        "step_text": f"SGD (lr {LR}) on this rank's slices, then the params all-gathered"})
+        "step_text": f"SGD (lr {LR}) on this rank's slices, then the params all-gathered "
+                     "(on gloo: a broadcast per shard)"})
     optimizer = DygraphShardingOptimizerV2(torch.optim.SGD(model.parameters(), lr=LR), hcg,
                                            strategy)
     narrator.watch_buffers(optimizer._comm_buffer_list,
