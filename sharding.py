@@ -853,36 +853,34 @@ class _OwnOverlap:
     def _reset_check_in_order(self):
         """Forget this step's bucket order (`_issue_late_buckets`); at construction, after
         step() and at clear_grad."""
-        self._round_order, self._first_check_ins, self._issue_order = [], {}, []
+        self._next_fire = 0  # index into _fire_in_order's order of the next bucket to fire
         self._extra_passes = {}  # param id -> backward passes after its bucket was issued
 
-    def _note_check_in(self, buffer, param):
-        """Before `param` checks in: note when `buffer` completes its first round of check-ins
-        this step (every param once), which is the order its collective fires in a backward
-        pass on a rank that ran them all (the same graph on every rank)."""
-        if buffer._params_step_dict.get(param) == 0:
-            n = self._first_check_ins[id(buffer)] = self._first_check_ins.get(id(buffer), 0) + 1
-            if n == len(buffer.params):
-                self._round_order.append(buffer)
+    def _fire_in_order(self):
+        """Issue the collectives of the complete buckets in one fixed order, the same on every
+        rank: reverse bucket order (backward reaches the last params first), each only once
+        the buckets before it have fired. Beyond Paddle, whose hooks fire each bucket as it
+        completes: a param that one rank's backward skips (or reaches in another order) would
+        make the ranks issue different collectives, a hang or a mix of buckets; held in this
+        order, a bucket that cannot complete holds the later ones back, and `step()` issues
+        them all in the same order (`_issue_late_buckets`)."""
+        order = self._own_buffers()[::-1]
+        while self._next_fire < len(order):
+            buffer = order[self._next_fire]
+            if buffer._task is None:
+                if not buffer._all_params_checked_in:
+                    return
+                buffer.comm_grads()
+            self._next_fire += 1
 
     def _issue_late_buckets(self):
         """comm_overlap, at the start of step(), before any other collective of it: issue,
         with what it holds, the collective of every bucket this rank has not issued (it ran
-        fewer backward passes than accumulate_steps, or a param got no grad), so that every
-        rank has issued every bucket's collective once; `_wait_own_buffers` then raises on
-        every rank. Beyond Paddle (where the others would wait for ever).
-
-        Order: the order this rank's buckets completed their first round of check-ins this
-        step (a rank that ran every pass fired them in that order), then last step's order
-        of issue, then reverse bucket order (backward reaches the last params first).
-        """
-        buffers = self._own_buffers()
-        position = {id(b): i for i, b in enumerate(buffers)}
-        last = {id(b): i for i, b in enumerate(getattr(self, "_last_issue_order", []))}
-        ordered = list(self._round_order) + sorted(
-            (b for b in buffers if b not in self._round_order),
-            key=lambda b: (last.get(id(b), len(buffers)), -position[id(b)]))
-        for buffer in ordered:
+        fewer backward passes than accumulate_steps, or a param got no grad), in the fixed
+        order of `_fire_in_order`, so that every rank has issued every bucket's collective
+        once, in the same order; `_wait_own_buffers` then raises on every rank. Beyond Paddle
+        (where the others would wait for ever)."""
+        for buffer in self._own_buffers()[::-1]:
             if buffer._task is not None:
                 continue
             for p in buffer.params:  # release: allocate, move in a grad not checked in
@@ -937,7 +935,6 @@ class _OwnOverlap:
                 "for the collectives first; change grads only after step(). The grads of this "
                 "step are not usable: clear them")
         if complete:
-            self._last_issue_order = list(self._issue_order)
             self._reset_check_in_order()
             for buffer in buffers:
                 buffer.scale_grads()
@@ -965,24 +962,26 @@ class _OwnOverlap:
 
 
 def _own_overlap_hook(optimizer, buffer, param):
-    """`bw_hook_func(buffer, param)` that notes the first-round order of the buckets and, when
-    a bucket whose collective is already in flight checks in again, counts a backward pass
-    too many instead (raised at step(), on every rank, by `_wait_own_buffers`)."""
-    check_in = bw_hook_func(buffer, param)
+    """`bw_hook_func(buffer, param, use_comm=False)`: checks `param` in, then fires the
+    buckets that are complete in the optimizer's fixed order (`_fire_in_order`). A check-in
+    past accumulate_steps (the bucket in flight, or this param already in acc_steps times)
+    counts a backward pass too many instead (raised at step(), on every rank, by
+    `_wait_own_buffers`)."""
+    check_in = bw_hook_func(buffer, param, use_comm=False)
+    plain = bw_hook_func(buffer, param)  # both hold the buffer weakly
     optimizer_ref, buffer_ref = weakref.ref(optimizer), weakref.ref(buffer)
 
     def hook(param):
         optimizer, buffer = optimizer_ref(), buffer_ref()
-        if optimizer is None or buffer is None:
-            check_in(param)
+        if optimizer is None or buffer is None:  # raises for a dead buffer, as bw_hook_func
+            plain(param)
             return
-        if buffer._task is not None:  # in flight: a backward pass too many on this rank
-            optimizer._note_extra_pass(param)
+        if buffer._task is not None or param not in buffer._params_step_dict:
+            optimizer._note_extra_pass(param)  # a backward pass too many on this rank
             return
-        optimizer._note_check_in(buffer, param)
         check_in(param)
-        if buffer._task is not None:  # this check-in fired the bucket's collective
-            optimizer._issue_order.append(buffer)
+        if buffer._all_params_checked_in:
+            optimizer._fire_in_order()
 
     return hook
 

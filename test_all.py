@@ -1406,3 +1406,18 @@ def test_torch_clip_under_overlap_raises(ranks):
             assert len(params) == len(oracle) > 0
             for got, want in zip(params, oracle):
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_unused_param_on_one_rank_own_overlap(ranks):
+    """Check that under sharding's own overlap with several buckets, a branch that one rank's
+    backward skips (the buckets that fire first on the other) ends step() with the same
+    ValueError on every rank (v1, v2), not a hang or a mix of buckets, and that the next step
+    trains both ranks alike."""
+    results = ranks(2).run(loops.unused_on_one_rank, timeout=60)
+    assert len(results) == 2 and sorted(results[0]) == [1, 2]
+    for version in (1, 2):
+        (msg0, params0), (msg1, params1) = results[0][version], results[1][version]
+        assert msg0 == msg1
+        assert len(params0) == len(params1) == 3
+        for p0, p1 in zip(params0, params1):
+            assert torch.equal(p0, p1)

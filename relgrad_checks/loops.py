@@ -189,3 +189,39 @@ def torch_clip_in_flight(rank, world):
             opt.zero_grad()
         out[version] = (str(info.value), [p.detach().clone() for p in model.parameters()])
     return out, _oracle(STEPS)[0]
+
+
+def unused_on_one_rank(rank, world):
+    """Under sharding's own overlap with several buckets, rank 1's backward skips the branch
+    whose buckets fire first on rank 0: every rank raises the same ValueError at step() (no
+    hang, no mixed buckets); after zero_grad() both ranks train on together. Returns
+    {version: (message, params after one good step)}."""
+    import pytest
+    out = {}
+    for version in (1, 2):
+        strategy = HybridStrategy(sharding_degree=world, sharding_configs=DygraphShardingConfig(
+            split_param=version == 2, comm_overlap=True, accumulate_steps=1,
+            release_gradients=True, comm_buffer_size_MB=1))
+        hcg = HybridCommunicateGroup(strategy)
+        torch.manual_seed(0)
+        # one bucket each (>= 1 MB), of different sizes: a bucket issued out of turn would
+        # meet another size on the other rank (gloo: a crash or a hang)
+        a = torch.nn.Linear(500, 600, bias=False)
+        b, head = torch.nn.Linear(600, 600, bias=False), torch.nn.Linear(600, 600, bias=False)
+        model = torch.nn.ModuleList([a, b, head])
+        opt = _CLASSES[version](torch.optim.SGD(model.parameters(), lr=0.1), hcg, strategy)
+        assert len(opt.comm_buffers) == 3
+        x = torch.randn(4, 500)
+        h = a(x)
+        h = h + b(h) if rank == 0 else h  # rank 1 leaves b out: its bucket never completes
+        head(h).square().mean().backward()
+        with pytest.raises(ValueError, match="not issued on every rank") as info:
+            opt.step()
+        opt.zero_grad()
+        h = a(x)
+        head(h + b(h)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        out[version] = (str(info.value).split(" On this rank:")[0],
+                        [p.detach().clone() for p in model.parameters()])
+    return out
