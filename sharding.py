@@ -1038,6 +1038,22 @@ def _check_grad_clip(grad_clip):
     return grad_clip
 
 
+def _first_difference(a, b):
+    """reprs of the first differing entries of two equal-length lists (recursively; a tuple,
+    such as a (name, value) pair, is shown whole) or dicts, else of the whole values: what a
+    setup mismatch message shows."""
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        for k in a:
+            if a[k] != b[k]:
+                x, y = _first_difference(a[k], b[k])
+                return f"{k}={x}", f"{k}={y}"
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for x, y in zip(a, b):
+            if x != y:
+                return _first_difference(x, y)
+    return repr(a), repr(b)
+
+
 class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
     """What v1 and v2 share: flags, groups, whether to all-reduce over dp, and the agreement
     on grads and misuse that opens every `step()`."""
@@ -1124,7 +1140,7 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
             for rank, desc, _ in seen[1:]:
                 for key in first:
                     if desc[key] != first[key]:
-                        a, b = repr(first[key]), repr(desc[key])
+                        a, b = _first_difference(first[key], desc[key])
                         texts.append(f"{key}: global rank {first_rank} has {a[:160]}, global "
                                      f"rank {rank} has {b[:160]}")
         if texts:
