@@ -635,11 +635,12 @@ def test_main_job_json(tmp_path):
     assert all(n > 100_000 for n in off["idle_grad_bytes_counted"])
     for counted, freed in zip(off["idle_grad_bytes_counted"], on["idle_grad_bytes_allocator"]):
         assert abs(freed - counted) <= 0.05 * counted, (freed, counted)
-    # the eval pass after step 5 (--eval-every 5): its peak is lower by the released buffer
-    # (within a quarter of it: the CPU peak is sampled every 0.5 ms over a short pass)
+    # the eval pass after step 5 (--eval-every 5): its peak is lower by the released buffer,
+    # at least three quarters of it (one-sided: the CPU peak is sampled every 0.5 ms over a
+    # short pass, and a sample that misses the off run's top only widens the gap)
     assert len(on["eval_peak_lower_bytes"]) == 4
     for counted, lower in zip(off["idle_grad_bytes_counted"], on["eval_peak_lower_bytes"]):
-        assert abs(lower - counted) <= 0.25 * counted, (lower, counted)
+        assert lower >= 0.75 * counted, (lower, counted)
     # Each run is charged for its own bytes only: its params (P bytes, = the buffer bytes
     # counted with release off), AdamW's two states for the half it owns (~P) and, with
     # release off, the buffer (P). Charging one run for the other's would show ~2P more.
