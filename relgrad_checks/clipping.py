@@ -28,6 +28,14 @@ class Scale(nn.Module):
         return x * self.w
 
 
+def _pp2_strategy(version, overlap, release):
+    """pp 2 x sharding 2 with sharding v`version`, or (version None) pp 2 x dp 2; acc 2."""
+    if version:
+        return _strategy(pp=2, sharding=2, acc=2, release=release,
+                         sharding_comm_overlap=overlap, split_param=version == 2)
+    return _strategy(dp=2, pp=2, acc=2, release=release, dp_comm_overlap=overlap)
+
+
 def _mean_loss(out, y):
     return out.mean()
 
@@ -91,11 +99,7 @@ def clip_global_norm(rank, world, steps=3, clip=1.0, lr=0.1):
     for kind, version, overlap, release in configs:
         hand_norms, hand_params = hands[kind == "frozen"]
         torch_norms, oracle = oracles[kind == "frozen"]
-        if kind == "sharding":
-            strategy = _strategy(pp=2, sharding=2, acc=2, release=release,
-                                 sharding_comm_overlap=overlap, split_param=version == 2)
-        else:
-            strategy = _strategy(dp=2, pp=2, acc=2, release=release, dp_comm_overlap=overlap)
+        strategy = _pp2_strategy(version if kind == "sharding" else None, overlap, release)
         hcg = HybridCommunicateGroup(strategy)
         stage = hcg.get_stage_id()
         layers = [Scale(3.0), Scale(4.0)]
@@ -182,11 +186,7 @@ def tied_weights(rank, world, steps=3, clip=0.05):
     assert len(oracle_norms) == steps and all(float(n) > clip for n in oracle_norms)  # active
     runs = {}
     for version, overlap, release in _variants() + _variants((None,)):
-        if version:
-            strategy = _strategy(pp=2, sharding=2, acc=2, release=release,
-                                 sharding_comm_overlap=overlap, split_param=version == 2)
-        else:
-            strategy = _strategy(dp=2, pp=2, acc=2, release=release, dp_comm_overlap=overlap)
+        strategy = _pp2_strategy(version, overlap, release)
         hcg = HybridCommunicateGroup(strategy)
         stage = hcg.get_stage_id()
         replica = hcg.get_sharding_parallel_rank() + hcg.get_data_parallel_rank()

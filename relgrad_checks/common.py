@@ -168,6 +168,17 @@ def _main_grad_oracle(make_model, opt_name, steps, batches):
     return losses, traj, opt
 
 
+def _replica_batch(hcg, strategy, step, mbs, dtype=torch.float32):
+    """This rank's part of a pipeline test's step batch: replica r = dp rank x sharding
+    degree + sharding rank takes chunk r of `replicas * accumulate_steps * mbs` rows."""
+    replicas = strategy.dp_degree * strategy.sharding_degree
+    replica = hcg.get_data_parallel_rank() * strategy.sharding_degree \
+        + hcg.get_sharding_parallel_rank()
+    rows = replicas * strategy.accumulate_steps * mbs
+    return tuple(t.chunk(replicas)[replica].to(dtype)
+                 for t in _data(step, rows, PIPE_SIZES[0], PIPE_SIZES[-1]))
+
+
 def _pipe_batches(replicas, acc, mbs, dtype=torch.bfloat16):
     """`batches(step)` for `_main_grad_oracle`: the pipeline tests' data, split as they split
     it (replica r's chunk of the step's batch, then `acc` micro-batches of `mbs`)."""

@@ -13,7 +13,7 @@ from pipeline import PipelineParallel
 from relgrad_extras.interleave import PipelineParallelWithInterleave
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_bitwise,
+from relgrad_checks.common import (_replica_batch, _for, OPTIMIZERS, PIPE_SIZES, _assert_bitwise,
                                    _assert_close_each, _assert_moved, _assert_same_state, _data,
                                    _main_grad_oracle, _mse, _pipe_batches, _pipe_layers, _released,
                                    _same_on_all, _strategy)
@@ -189,14 +189,9 @@ def _train(hcg, strategy, vpp, wrap, opt_name, dtype, main_grad, steps, mbs, pro
         opt = wrap(opt, hcg, strategy)
     if keep is not None:
         keep.update(model=model, opt=opt)
-    acc = strategy.accumulate_steps
-    replicas = strategy.dp_degree * strategy.sharding_degree
-    replica = hcg.get_data_parallel_rank() * strategy.sharding_degree \
-        + hcg.get_sharding_parallel_rank()
     losses, traj = [], []
     for step in range(steps):
-        x, y = (t.chunk(replicas)[replica].to(dtype)
-                for t in _data(step, replicas * acc * mbs, PIPE_SIZES[0], PIPE_SIZES[-1]))
+        x, y = _replica_batch(hcg, strategy, step, mbs, dtype)
         loss = (probe(model, opt, (x, y)) if probe
                 else model.train_batch((x, y), opt, grad_clip=clip))
         losses.append(loss)

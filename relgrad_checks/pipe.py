@@ -14,7 +14,7 @@ from comm_buffer import FusedCommBuffer
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_bitwise,
+from relgrad_checks.common import (_replica_batch, _for, OPTIMIZERS, PIPE_SIZES, _assert_bitwise,
                                    _assert_close_each, _assert_moved, _assert_same_state, _data,
                                    _main_grad_oracle, _mlp, _mse, _pipe_batches, _pipe_layers,
                                    _released, _same_on_all, _strategy)
@@ -35,17 +35,13 @@ def _pipe_run(hcg, strategy, opt_name, steps, mbs, wrap=None, dtype=torch.float3
     opt = OPTIMIZERS[opt_name](model.parameters())
     if wrap:
         opt = wrap(opt, hcg, strategy)
-    acc = strategy.accumulate_steps
-    replicas = strategy.dp_degree * strategy.sharding_degree
-    replica = hcg.get_data_parallel_rank() * strategy.sharding_degree \
-        + hcg.get_sharding_parallel_rank()
     losses, traj = [], []
     for step in range(steps):
-        x, y = (t.chunk(replicas)[replica].to(dtype)
-                for t in _data(step, replicas * acc * mbs, PIPE_SIZES[0], PIPE_SIZES[-1]))
+        x, y = _replica_batch(hcg, strategy, step, mbs, dtype)
         losses.append(probe(model, opt, (x, y), step) if probe else model.train_batch((x, y), opt))
         traj.append([p.detach().clone() for p in model.parameters()])
-        assert model.schedule_trace == _expected_1f1b(model.num_stages, model.stage_id, acc)
+        assert model.schedule_trace == _expected_1f1b(model.num_stages, model.stage_id,
+                                                         strategy.accumulate_steps)
     return losses, traj, model
 
 
