@@ -165,25 +165,42 @@ def build_reduce_scatter_buffer(params, sharding_degree, rank, use_main_grad=Fal
     return views, total, param_buffer, grad_buffer
 
 
-def flatten_dense_tensors(params):
-    """Offsets of an ALL_REDUCE / REDUCE bucket: the layout half of Paddle's
-    `flatten_dense_tensors` (tensor_fusion_helper.py), which also allocates the storage; here
-    `FusedCommBuffer` allocates it (lazily, with release).
+@torch.no_grad()
+def flatten_dense_tensors(params, use_main_grad=False, fuse_param=False, release_grad=False):
+    """Lay out an ALL_REDUCE / REDUCE bucket and allocate its storage (Paddle's
+    `flatten_dense_tensors`, tensor_fusion_helper.py).
 
     Each param's slot is its numel padded up to 256 bytes measured in the *param* dtype, also
     when the buffer holds fp32 main grads (bf16, 1000 elements: 2000 B + 48 B of padding, a slot
-    of 1024 elements, i.e. 4096 B of fp32). Returns `(buffer_size in elements,
-    param2offset: dict[param, element offset])`.
+    of 1024 elements, i.e. 4096 B of fp32). With `release_grad` that layout is all it computes:
+    no grad storage, no grad views (`FusedCommBuffer._copy_grad_to_buffer` allocates at a
+    step's first check-in). Otherwise it allocates `zeros(buffer_size)` of the grad dtype (fp32
+    with `use_main_grad`, else the param dtype) and makes each param's grad (or main_grad) the
+    view of its slot, shape `param.shape`; with `fuse_param` it also moves the params into one
+    flat param buffer laid out the same way. Nothing reads the params' grads or main_grads.
+    Returns `(param_storage or None, grad_storage or None, buffer_size in elements,
+    param2offset: dict[param, element offset])`. Differs from Paddle, which returns 3 or 4
+    values depending on `fuse_param` and `release_grad`: one shape of tuple here.
     """
     size, param2offset = 0, {}
     for p in params:
         pad_bytes = -p.numel() * p.element_size() % ALIGNMENT_BYTES
         param2offset[p] = size
         size += p.numel() + pad_bytes // p.element_size()
-    return size, param2offset
-
-
-flatten_layout = flatten_dense_tensors  # the name this repo used before
+    if release_grad:
+        return None, None, size, param2offset
+    dtype, device = params[0].dtype, params[0].device
+    param_storage = None
+    if fuse_param:
+        param_storage = torch.zeros(size, dtype=dtype, device=device)
+        for p in params:
+            _share_param_buffer(p, param_storage, param2offset[p])
+    grad_dtype = torch.float32 if use_main_grad else dtype
+    grad_storage = torch.zeros(size, dtype=grad_dtype, device=device)
+    for p in params:
+        offset = param2offset[p]
+        _set_grad(p, use_main_grad, grad_storage[offset : offset + p.numel()].view(p.shape))
+    return param_storage, grad_storage, size, param2offset
 
 
 # ============================================================================================
@@ -401,20 +418,11 @@ class FusedCommBuffer:
         self._grads_to_addr = {}
         self._init_step_dict()
         self.param_storage = self.grad_storage = None
-        device = params[0].device
         with torch.no_grad():
             if act != HOOK_ACTION.REDUCE_SCATTER:
-                self.buffer_size, self.param2offset = flatten_dense_tensors(params)
-                if fuse_param:
-                    self.param_storage = torch.zeros(self.buffer_size, dtype=params[0].dtype,
-                                                     device=device)
-                    for p in params:
-                        _share_param_buffer(p, self.param_storage, self.param2offset[p])
-                if not release_grads:
-                    self.grad_storage = torch.zeros(self.buffer_size, dtype=self._dtype,
-                                                    device=device)
-                    for p in params:
-                        _set_grad(p, self.use_main_grad, self._slot(p).view(p.shape))
+                (self.param_storage, self.grad_storage, self.buffer_size,
+                 self.param2offset) = flatten_dense_tensors(
+                    params, self.use_main_grad, fuse_param, release_grads)
             else:
                 (self._sharding_param_grad_view, self.buffer_size, self.param_storage,
                  self.grad_storage) = build_reduce_scatter_buffer(

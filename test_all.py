@@ -218,6 +218,18 @@ def test_buffer_misuse(ranks):
     ranks(2).run(fused_buffer._check_misuse)
 
 
+def test_buffer_pin_sign_of_zero(ranks):
+    """Check that a grad that is -0.0 in every micro-batch ends as +0.0 bit for bit, release
+    on as off (the first check-in adds into the zero buffer, as Paddle's develop does)."""
+    ranks(2).run(fused_buffer._check_sign_of_zero)
+
+
+def test_buffer_pin_main_grad_before_hooks(ranks):
+    """Check that a release buffer of fp32 main grads built before register_main_grad_hooks
+    trains bitwise as release off does (nothing reads main_grad at construction)."""
+    ranks(2).run(fused_buffer._check_main_grad_before_hooks)
+
+
 def test_assign_group_by_size():
     """Check buckets close at the byte cap, keep one dtype each, and keep param order."""
     ps = [torch.zeros(100), torch.zeros(100, dtype=torch.bfloat16), torch.zeros(100),
