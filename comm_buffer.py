@@ -429,7 +429,7 @@ class FusedCommBuffer:
         self._comm_group = comm_group
         self._nranks = dist.get_world_size(comm_group)
         ranks = dist.get_process_group_ranks(comm_group or dist.group.WORLD)
-        if act == HOOK_ACTION.REDUCE and dst not in ranks:
+        if act == HOOK_ACTION.REDUCE and dst not in ranks:  # beyond Paddle, as _check_args
             raise ValueError(f"dst={dst} must be the global rank of a member of comm_group, "
                              f"one of {ranks}")
         self._act = act

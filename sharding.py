@@ -1525,6 +1525,8 @@ class DygraphShardingOptimizerV2(_Sharding):
 
     def __init__(self, optimizer, hcg, strategy, grad_clip=None):
         self._setup(optimizer, hcg, strategy)
+        # Beyond Paddle, the checks and _track_grads below (skip when reading the seed): a
+        # [later] free_grads_in_comm conflict, the grad_clip type, an elementwise optimizer.
         if self._free_grads_in_comm and strategy.hybrid_configs["pp_configs"].delay_scale_loss:
             raise ValueError("sharding_configs.free_grads_in_comm with split_param drops the "
                              "params' grads after the reduce-scatter, so the pipeline's "
@@ -1543,7 +1545,7 @@ class DygraphShardingOptimizerV2(_Sharding):
         # comm_buffer_size_MB * 1024 * 1024)`.
         self._build_comm_buffers(sharding_config.accumulate_steps,
                                  _comm_buffer_bytes(sharding_config))
-        self._track_grads()
+        self._track_grads()  # beyond Paddle: which params backward reached, for step()
 
     def _track_grads(self):
         """Beyond Paddle: note (by id) each param that backward reaches until clear_grad.

@@ -1324,6 +1324,9 @@ def test_resumed_scheduler_under_pipeline(ranks, version):
     (["--peers", "--main-grad"], "on 2 processes; drop --main-grad (relgrad.py --help"),
     (["--peers", "--pp", "3", "--sharding", "1"], "drop --pp 3 --sharding 1 (relgrad.py"),
     (["--pp", "x"], "argument --pp: invalid int value: 'x'"),
+    (["--plot", "step.pdf"], "--plot step.pdf: the file must end in .png or .svg"),
+    (["--plot", "/no/such/dir/step.png"], "--plot /no/such/dir/step.png: cannot write a file"),
+    (["--walkthrough", "--plot", "step.png"], "--walkthrough draws no plot: drop --plot"),
 ])
 def test_cli_bad_argument_one_line(capsys, args, message):
     """Check each bad flag ends in one line naming it and the fix, status 2, before any

@@ -232,6 +232,7 @@ def summarize(results, opts):
                                 job's --json (report.py; for DDP + ZeRO and FSDP2 the
                                 phases are marked around their loop, "after collectives"
                                 null)
+        plot      with --plot only, as in the main job's --json (report.py)
     """
     ranks = sorted(results, key=lambda r: r["rank"])
     steps = range(opts["steps"])
