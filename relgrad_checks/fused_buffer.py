@@ -295,10 +295,10 @@ def _signed_zero_grads(params, k):
 
 def _check_sign_of_zero(rank, world):
     """A grad element that is -0.0 in every micro-batch ends as +0.0, release on and off."""
-    shapes = [(5,), (4,)]
+    shapes = [(5,), (300,)]  # v2, 2 ranks: z's 300 elements straddle both shards
     (z,) = _new_params(shapes[1:])  # the -0.0 is real: a plain backward keeps it
     _signed_zero_grads([torch.zeros(5, requires_grad=True), z], 0)
-    assert z.grad.numel() == 4 and torch.all(torch.signbit(z.grad)), z.grad
+    assert z.grad.numel() == 300 and torch.all(torch.signbit(z.grad)), z.grad
     for act in ACTIONS:
         for acc in (1, 2):
             bits = {}
@@ -313,11 +313,12 @@ def _check_sign_of_zero(rank, world):
                     for k in range(acc):
                         _signed_zero_grads(params, k)
                     buf.scale_grads()
-                    if act == HOOK_ACTION.REDUCE_SCATTER:
-                        view = buf._sharding_param_grad_view[params[1]]
-                        read = [] if view._slice_grad is None else [view._slice_grad]
-                    else:
+                    if act == HOOK_ACTION.REDUCE_SCATTER:  # this rank's piece of z
+                        read = [buf._sharding_param_grad_view[params[1]]._slice_grad]
+                    else:  # the reduce's owner (dst 1) alone reads the sum
                         read = [params[1].grad] if act != HOOK_ACTION.REDUCE or rank == 1 else []
+                    assert len(read) == int(act != HOOK_ACTION.REDUCE or rank == 1)
+                    assert all(g is not None and g.numel() > 0 for g in read)
                     bits[release].append([g.view(torch.int32).clone() for g in read])
                     if release:
                         buf._clear_grad_storage()
