@@ -165,25 +165,42 @@ def build_reduce_scatter_buffer(params, sharding_degree, rank, use_main_grad=Fal
     return views, total, param_buffer, grad_buffer
 
 
-def flatten_dense_tensors(params):
-    """Offsets of an ALL_REDUCE / REDUCE bucket: the layout half of Paddle's
-    `flatten_dense_tensors` (tensor_fusion_helper.py), which also allocates the storage; here
-    `FusedCommBuffer` allocates it (lazily, with release).
+@torch.no_grad()
+def flatten_dense_tensors(params, use_main_grad=False, fuse_param=False, release_grad=False):
+    """Lay out an ALL_REDUCE / REDUCE bucket and allocate its storage (Paddle's
+    `flatten_dense_tensors`, tensor_fusion_helper.py).
 
     Each param's slot is its numel padded up to 256 bytes measured in the *param* dtype, also
     when the buffer holds fp32 main grads (bf16, 1000 elements: 2000 B + 48 B of padding, a slot
-    of 1024 elements, i.e. 4096 B of fp32). Returns `(buffer_size in elements,
-    param2offset: dict[param, element offset])`.
+    of 1024 elements, i.e. 4096 B of fp32). With `release_grad` that layout is all it computes:
+    no grad storage, no grad views (`FusedCommBuffer._copy_grad_to_buffer` allocates at a
+    step's first check-in). Otherwise it allocates `zeros(buffer_size)` of the grad dtype (fp32
+    with `use_main_grad`, else the param dtype) and makes each param's grad (or main_grad) the
+    view of its slot, shape `param.shape`; with `fuse_param` it also moves the params into one
+    flat param buffer laid out the same way. Nothing reads the params' grads or main_grads.
+    Returns `(param_storage or None, grad_storage or None, buffer_size in elements,
+    param2offset: dict[param, element offset])`. Differs from Paddle, which returns 3 or 4
+    values depending on `fuse_param` and `release_grad`: one shape of tuple here.
     """
     size, param2offset = 0, {}
     for p in params:
         pad_bytes = -p.numel() * p.element_size() % ALIGNMENT_BYTES
         param2offset[p] = size
         size += p.numel() + pad_bytes // p.element_size()
-    return size, param2offset
-
-
-flatten_layout = flatten_dense_tensors  # the name this repo used before
+    if release_grad:
+        return None, None, size, param2offset
+    dtype, device = params[0].dtype, params[0].device
+    param_storage = None
+    if fuse_param:
+        param_storage = torch.zeros(size, dtype=dtype, device=device)
+        for p in params:
+            _share_param_buffer(p, param_storage, param2offset[p])
+    grad_dtype = torch.float32 if use_main_grad else dtype
+    grad_storage = torch.zeros(size, dtype=grad_dtype, device=device)
+    for p in params:
+        offset = param2offset[p]
+        _set_grad(p, use_main_grad, grad_storage[offset : offset + p.numel()].view(p.shape))
+    return param_storage, grad_storage, size, param2offset
 
 
 # ============================================================================================
@@ -322,6 +339,42 @@ def _update_main_grad(param):
 # The fused buffer: check in -> communicate -> wait, scale (and free) -> release
 # ============================================================================================
 
+# add_grad's errors. Paddle has one assert (the param is in the bucket) and one ValueError,
+# "The address of the grad/main_grad of the param has been changed during training, ...".
+_ADDRESS_CHANGED_MSG = (
+    "The address of the grad/main_grad of {name} changed during training; while the buffer "
+    "holds it, the grad must stay the view of its slot. Likely causes: zero_grad("
+    "set_to_none=True) / clear_grad(set_to_zero=False) with release off, or between "
+    "micro-batches; or an out-of-place op that rebinds the grad (grad = grad * s). Zero in "
+    "place (set_to_none=False, grad.mul_(s)); with release on (FusedCommBuffer("
+    "release_grads=True), pp_configs.release_gradients) drop the grads only after the step.")
+_NOT_IN_BUCKET_MSG = ("add_grad: a param of shape {shape} is not in bucket {id}; register "
+                      "hooks only on its own params")
+_CHECKED_IN_MSG = ("add_grad: {name} already checked in acc_steps={acc_steps} times this "
+                   "step; call scale_grads() to end the step, or build the buffer with the real "
+                   "micro-batch count")
+_HOOK_ORDER_MSG = ("add_grad: {name} still has its low-precision grad: register_main_grad_hooks "
+                   "must be registered before the buffer's hooks (bw_hook_func), so that "
+                   "main_grad is up to date here")
+_UNRELEASED_MSG = (
+    "bucket {id}: a new step started while last step's grad buffer is still allocated, so its "
+    "values would be added in. With release_grads, after the optimizer step drop the grads and "
+    "call _clear_grad_storage() (PipelineParallel._optimizer_step and the sharding optimizers' "
+    "zero_grad() do both: call opt.zero_grad(), not model.zero_grad())")
+
+
+def _misplaced_check_in(buffer, param):
+    """add_grad's message for a param that is not in `buffer` or is checked in too often."""
+    if param not in buffer._index:
+        return _NOT_IN_BUCKET_MSG.format(shape=tuple(param.shape), id=buffer._id)
+    return _CHECKED_IN_MSG.format(name=buffer._name(param), acc_steps=buffer._acc_steps)
+
+
+def _addr_of(grad):
+    """The data pointer add_grad compares (None for no grad)."""
+    return None if grad is None else grad.data_ptr()
+
+
 class FusedCommBuffer:
     """One bucket's fused grad buffer and its collective (Paddle's `FusedCommBuffer`).
 
@@ -365,6 +418,8 @@ class FusedCommBuffer:
                  use_main_grad=None, fuse_param=False, scale_after_comm=True,
                  release_grads=False, free_grads_in_comm=False):
         params = list(params)
+        # Beyond Paddle's asserts (skip when reading the seed): every bad argument raises
+        # ValueError naming the rule and the fix; fuse_param with release is Paddle's assert.
         _check_args(params, acc_steps, act, dst, fuse_param, release_grads)
         _check_free_args(act, release_grads, free_grads_in_comm)
         self._id = id
@@ -374,7 +429,7 @@ class FusedCommBuffer:
         self._comm_group = comm_group
         self._nranks = dist.get_world_size(comm_group)
         ranks = dist.get_process_group_ranks(comm_group or dist.group.WORLD)
-        if act == HOOK_ACTION.REDUCE and dst not in ranks:
+        if act == HOOK_ACTION.REDUCE and dst not in ranks:  # beyond Paddle, as _check_args
             raise ValueError(f"dst={dst} must be the global rank of a member of comm_group, "
                              f"one of {ranks}")
         self._act = act
@@ -382,6 +437,7 @@ class FusedCommBuffer:
         self._scale_after_comm = scale_after_comm
         self._fuse_param = fuse_param
         self._release_grads = release_grads
+        # [later] free_grads_in_comm and its queue (skip when reading the seed).
         self._free_grads_in_comm = free_grads_in_comm
         self._freed_in_comm = False  # freed in scale_grads, not yet released by the caller
         self._comm_queue = None  # set by share_comm_queue (free_grads_in_comm)
@@ -401,20 +457,11 @@ class FusedCommBuffer:
         self._grads_to_addr = {}
         self._init_step_dict()
         self.param_storage = self.grad_storage = None
-        device = params[0].device
         with torch.no_grad():
             if act != HOOK_ACTION.REDUCE_SCATTER:
-                self.buffer_size, self.param2offset = flatten_dense_tensors(params)
-                if fuse_param:
-                    self.param_storage = torch.zeros(self.buffer_size, dtype=params[0].dtype,
-                                                     device=device)
-                    for p in params:
-                        _share_param_buffer(p, self.param_storage, self.param2offset[p])
-                if not release_grads:
-                    self.grad_storage = torch.zeros(self.buffer_size, dtype=self._dtype,
-                                                    device=device)
-                    for p in params:
-                        _set_grad(p, self.use_main_grad, self._slot(p).view(p.shape))
+                (self.param_storage, self.grad_storage, self.buffer_size,
+                 self.param2offset) = flatten_dense_tensors(
+                    params, self.use_main_grad, fuse_param, release_grads)
             else:
                 (self._sharding_param_grad_view, self.buffer_size, self.param_storage,
                  self.grad_storage) = build_reduce_scatter_buffer(
@@ -485,8 +532,8 @@ class FusedCommBuffer:
         if self._params_step_dict[param] > 0:
             return
         if self.grad_storage is None:
-            if self._comm_queue is not None:  # free the buckets in flight before allocating
-                self._comm_queue.complete_all()
+            if self._comm_queue is not None:  # [later] free_grads_in_comm: free the buckets
+                self._comm_queue.complete_all()  # in flight first (skip when reading the seed)
             self.grad_storage = torch.zeros(self.buffer_size, dtype=self._dtype,
                                             device=param.device)
         if self._act == HOOK_ACTION.REDUCE_SCATTER:
@@ -496,8 +543,8 @@ class FusedCommBuffer:
         else:
             slot = self._slot(param)
         grad = _grad_of(param, self.use_main_grad)
-        if grad is not None:
-            slot.add_(grad.reshape(-1))
+        if grad is not None:  # beyond Paddle: a param without a grad keeps its zero slot
+            slot.add_(grad.reshape(-1))  # zeros + add, as Paddle's develop: -0.0 becomes +0.0
         _set_grad(param, self.use_main_grad, slot.view(param.shape))
         self._grads_to_addr[param] = slot.data_ptr()  # [later, PR #64460] for add_grad
 
@@ -520,10 +567,13 @@ class FusedCommBuffer:
         if not self._release_grads:
             raise RuntimeError(f"bucket {self._id} was built with release_grads=False: its grad "
                                "buffer must persist; zero the grads in place instead")
+        # Beyond Paddle, both checks (skip when reading the seed): the misuses raise.
         if self._task is not None:
             raise RuntimeError(f"bucket {self._id}: a collective on the grad buffer is in "
                                "flight; call scale_grads() before releasing the buffer")
-        self._drop_grad_storage()
+        self._drop_grad_storage()  # Paddle's _clear_dataptr() calls, plus the aliasing grads
+        # Beyond Paddle (skip when reading the seed): free_grads_in_comm's mark and the
+        # step's check-ins go with the buffer.
         self._freed_in_comm = False
         self._reset_params_checked_in()
 
@@ -553,6 +603,13 @@ class FusedCommBuffer:
             view._reset_grad_buffer(slice_grad_buffer)
         self.grad_storage = slice_grad_buffer
 
+    def _last_step_unreleased(self):
+        """Beyond Paddle: at a step's first check-in, last step's buffer is still allocated
+        (or its free_grads_in_comm remains), so its values would be added into this step."""
+        unreleased = self.grad_storage is not None or self._freed_in_comm
+        return (unreleased and self._params_checked_in == 0
+                and not any(self._params_step_dict.values()))
+
     def add_grad(self, param, use_comm=True):
         """Check `param` in for this micro-batch; issue the collective once all are in.
 
@@ -567,41 +624,17 @@ class FusedCommBuffer:
         step starts while last step's released buffer is still allocated.
         """
         if self._comm_queue is not None:  # complete the earlier buckets that are done
-            self._comm_queue.poll()
-        if param not in self._params_step_dict:
-            if param not in self._index:
-                raise ValueError(f"add_grad: a param of shape {tuple(param.shape)} is not in "
-                                 f"bucket {self._id}; register hooks only on its own params")
-            raise ValueError(f"add_grad: {self._name(param)} already checked in acc_steps="
-                             f"{self._acc_steps} times this step; call scale_grads() to end "
-                             "the step, or build the buffer with the real micro-batch count")
-        if self.use_main_grad and param.grad is not None:
-            raise ValueError(f"add_grad: {self._name(param)} still has its low-precision grad: "
-                             "register_main_grad_hooks must be registered before the buffer's "
-                             "hooks (bw_hook_func), so that main_grad is up to date here")
+            self._comm_queue.poll()  # [later] free_grads_in_comm (skip when reading the seed)
+        if param not in self._params_step_dict:  # Paddle: assert param.name in the step dict
+            raise ValueError(_misplaced_check_in(self, param))
+        if self.use_main_grad and param.grad is not None:  # beyond Paddle: hooks in order
+            raise ValueError(_HOOK_ORDER_MSG.format(name=self._name(param)))
         if self._release_grads and self._params_step_dict[param] == 0:
-            unreleased = self.grad_storage is not None or self._freed_in_comm
-            if unreleased and self._params_checked_in == 0 and not any(
-                    self._params_step_dict.values()):
-                raise ValueError(
-                    f"bucket {self._id}: a new step started while last step's grad buffer is "
-                    "still allocated, so its values would be added in. With release_grads, "
-                    "after the optimizer step drop the grads and call _clear_grad_storage() "
-                    "(PipelineParallel._optimizer_step and the sharding optimizers' "
-                    "zero_grad() do both: call opt.zero_grad(), not model.zero_grad())")
+            if self._last_step_unreleased():  # beyond Paddle: a skipped release
+                raise ValueError(_UNRELEASED_MSG.format(id=self._id))
             self._copy_grad_to_buffer(param)
-        else:
-            grad = _grad_of(param, self.use_main_grad)
-            if (None if grad is None else grad.data_ptr()) != self._grads_to_addr[param]:
-                raise ValueError(
-                    f"The address of the grad/main_grad of {self._name(param)} changed during "
-                    "training; while the buffer holds it, the grad must stay the view of its "
-                    "slot. Likely causes: zero_grad(set_to_none=True) / clear_grad("
-                    "set_to_zero=False) with release off, or between micro-batches; or an "
-                    "out-of-place op that rebinds the grad (grad = grad * s). Zero in place "
-                    "(set_to_none=False, grad.mul_(s)); with release on "
-                    "(FusedCommBuffer(release_grads=True), pp_configs.release_gradients) drop "
-                    "the grads only after the step.")
+        elif _addr_of(_grad_of(param, self.use_main_grad)) != self._grads_to_addr[param]:
+            raise ValueError(_ADDRESS_CHANGED_MSG.format(name=self._name(param)))
         self._params_step_dict[param] += 1
         if self._params_step_dict[param] == self._acc_steps:
             self._params_checked_in += 1

@@ -176,6 +176,9 @@ class PipelineParallel(nn.Module):
         self._chunk_2_comm_buffers = defaultdict(list)
         self._sharding_hooks_registered = False
         self.optimizer = self.lr_scheduler = None
+        # Beyond Paddle from here to the dp overlap below (skip when reading the seed): the
+        # schedule's trace for tests, an id and a timeout for failing stages, tied weights,
+        # misuse state. None of it touches the fused buffers or release.
         # ("F" | "B", micro-batch) in the order run, for tests; the interleaved schedule adds
         # the chunk: ("F" | "B", micro-batch, chunk)
         self.schedule_trace = []
@@ -263,12 +266,15 @@ class PipelineParallel(nn.Module):
                                              .hybrid_configs["sharding_configs"]
                                              .free_grads_in_comm)  # [later], PaddleNLP #9081
                     self._chunk_2_comm_buffers[chunk_idx].append(buffer)
+                    # Beyond Paddle: a tied weight's copy only checks in (shared_weights);
+                    # without ties every param gets this schedule's hook, as in Paddle.
                     hook = self._shared.hook_func(bucket, buffer)  # a tied copy: check in only
                     if hook is bw_hook_func:  # untied: this schedule's own hook
                         hook = self.bw_hook_func
                     for p in bucket:
                         p.register_post_accumulate_grad_hook(hook(buffer, p))
-        # free_grads_in_comm: each bucket freed once its collective is done, during backward
+        # [later] free_grads_in_comm: each bucket freed once its collective is done, during
+        # backward (skip when reading the seed: without that flag this does nothing).
         share_comm_queue([b for bs in self._chunk_2_comm_buffers.values() for b in bs])
 
     def bw_hook_func(self, buffer, param):
@@ -716,7 +722,7 @@ class PipelineParallel(nn.Module):
         if self._grad_clip is not None:  # on reduced grads, before the step and the release
             self._grad_clip([(p, _grad(p)) for p in self._layers.parameters()],
                             norm_groups(self._hcg), self._device())
-        self._grads_pending = False
+        self._grads_pending = False  # beyond Paddle: misuse state (skip when reading the seed)
         self.optimizer.step()
         if self._release_gradients:
             _clear_grad(self.optimizer, set_to_zero=False)

@@ -393,6 +393,10 @@ def parse_args(argv=None):
                    "(pipeline 2 x dp 2, 4), or all three (no value)")
     p.add_argument("--trace", metavar="FILE",
                    help="also write a Chrome trace (Perfetto, chrome://tracing) of the runs")
+    p.add_argument("--plot", metavar="FILE",
+                   help="also draw one step's memory per rank (the last step; release off vs "
+                   "on, or the --peers systems) into FILE, PNG or SVG by its suffix "
+                   "(matplotlib); the values drawn are each run's step_trace in --json")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object only (schema: demo/report.py, demo/peers.py)")
@@ -441,8 +445,18 @@ def parse_args(argv=None):
                     + ("it is a folder" if os.path.isdir(args.trace) else
                        f"no folder {folder}" if not os.path.isdir(folder) else
                        f"{folder} is not writable") + "); pass a file path in a folder that exists")
+    if args.plot is not None:
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not args.plot.lower().endswith((".png", ".svg")):
+            p.error(f"--plot {args.plot}: the file must end in .png or .svg (its format)")
+        if os.path.isdir(args.plot) or not os.path.isdir(folder) \
+                or not os.access(folder, os.W_OK):
+            p.error(f"--plot {args.plot}: cannot write a file there; pass a file path in a "
+                    "writable folder that exists")
     if args.walkthrough and (args.peers or args.json or args.trace):
         p.error("--walkthrough runs on its own: drop --peers, --json and --trace")
+    if args.walkthrough and args.plot:
+        p.error("--walkthrough draws no plot: drop --plot (it plots the main job or --peers)")
     if args.walkthrough and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         p.error("--walkthrough starts its own local processes (2 and 4): run it without "
                 "torchrun")
@@ -457,7 +471,7 @@ def parse_args(argv=None):
         p.error(f"the text has {chars} characters; --block {args.block} needs at least "
                 f"{args.block + 2}: pass a longer --data file or a smaller --block")
     opts = {k: v for k, v in vars(args).items()
-            if k not in ("quiet", "json", "timeout", "peers", "walkthrough")}
+            if k not in ("quiet", "json", "timeout", "peers", "walkthrough", "plot")}
     return args, opts
 
 
@@ -528,6 +542,9 @@ def main(argv=None):
                   "(starting the processes alone takes seconds)", file=sys.stderr)
             return 1
     summary = shown.summarize(results, opts)
+    if args.plot:
+        from relgrad_demo import plot
+        summary["plot"] = plot.draw_step(summary, args.plot, peers=args.peers)
     if args.trace:
         trace.write_chrome_trace(args.trace, [r["trace"] for r in results])
     if args.json:
@@ -536,6 +553,8 @@ def main(argv=None):
     shown.print_report(summary, steps=not args.quiet)
     if args.trace:
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if args.plot:
+        print(f"plot: {args.plot} (one step's memory per rank)")
     return 0
 
 

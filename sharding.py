@@ -1072,13 +1072,18 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         # Paddle ORs a sharding-side `release_gradients` flag into it.
         self.pp_release_grads = (pp_config.release_gradients
                                  or sharding_config.release_gradients)
-        # Under pipeline overlap the buffers are the pipeline's, built with the PP flag alone;
+        # Beyond Paddle (for the later sharding-side flag; skip when reading the seed): under
+        # pipeline overlap the buffers are the pipeline's, built with the PP flag alone;
         # whether their grads may be dropped follows that flag, not the sharding-side one.
         self._buffers_released = (pp_config.release_gradients if self.pp_overlap
                                   else self.pp_release_grads)
         # HybridParallelOptimizer's dp all-reduce, unless the pipeline already overlapped it.
         self._dp_sync = (hcg.get_data_parallel_world_size() > 1
                          and not pp_config.dp_comm_overlap)
+        # Beyond Paddle, the rest of _setup (skip when reading the seed): misuse flags for
+        # step(); every rank built alike (one all-gather); the same start params, as
+        # fleet.distributed_model broadcasts them; a template without state; then
+        # sharding_configs.comm_overlap / free_grads_in_comm, later Paddle features.
         self._reduced = False  # grads reduced by a step() and not cleared since
         self._grads_ready = False  # clip_grad_norm_ ran step()'s first half; step() next
         self._agree_on_setup(optimizer, strategy)
@@ -1520,6 +1525,8 @@ class DygraphShardingOptimizerV2(_Sharding):
 
     def __init__(self, optimizer, hcg, strategy, grad_clip=None):
         self._setup(optimizer, hcg, strategy)
+        # Beyond Paddle, the checks and _track_grads below (skip when reading the seed): a
+        # [later] free_grads_in_comm conflict, the grad_clip type, an elementwise optimizer.
         if self._free_grads_in_comm and strategy.hybrid_configs["pp_configs"].delay_scale_loss:
             raise ValueError("sharding_configs.free_grads_in_comm with split_param drops the "
                              "params' grads after the reduce-scatter, so the pipeline's "
@@ -1538,7 +1545,7 @@ class DygraphShardingOptimizerV2(_Sharding):
         # comm_buffer_size_MB * 1024 * 1024)`.
         self._build_comm_buffers(sharding_config.accumulate_steps,
                                  _comm_buffer_bytes(sharding_config))
-        self._track_grads()
+        self._track_grads()  # beyond Paddle: which params backward reached, for step()
 
     def _track_grads(self):
         """Beyond Paddle: note (by id) each param that backward reaches until clear_grad.
@@ -1564,7 +1571,10 @@ class DygraphShardingOptimizerV2(_Sharding):
                                      release_grads=self.pp_release_grads,
                                      free_grads_in_comm=self._free_grads_in_comm)
             self._comm_buffer_list.append(buffer)
-        if self.comm_overlap:  # Paddle's register_reduce_overlap_hook(use_comm=True)
+        # [later] sharding_configs.comm_overlap (Paddle's register_reduce_overlap_hook(
+        # use_comm=True)): hooks that fill and reduce the buffers during backward; the seed's
+        # path has it off (skip when reading the seed).
+        if self.comm_overlap:
             share_comm_queue(self._comm_buffer_list)  # free_grads_in_comm: during backward
             self._register_own_hooks(self._comm_buffer_list)
 
@@ -1584,12 +1594,14 @@ class DygraphShardingOptimizerV2(_Sharding):
         # (Under pipeline overlap the pipeline's buffers follow the PP flag alone.)
         if not self._buffers_released and not set_to_zero:
             raise ValueError(_ERASE_MSG)
+        # Beyond Paddle (skip when reading the seed): forget this step's misuse flags,
+        # comm_overlap's bucket order and the params backward reached.
         self._reduced = self._grads_ready = False
         self._reset_check_in_order()
         self._produced.clear()
         for p in self._parameter_list:
-            _clear(p, set_to_zero)
-        if self.pp_release_grads:
+            _clear(p, set_to_zero)  # Paddle's clear_grad_func
+        if self.pp_release_grads:  # beyond Paddle: a stale slice grad would pin the buffer
             for slice_param in self._slice_params.values():
                 _clear(slice_param, set_to_zero=False)
         # Seed hunk: with release and no pipeline overlap, free v2's own grad buffers here
@@ -1623,14 +1635,15 @@ class DygraphShardingOptimizerV2(_Sharding):
         """
         if self.pp_overlap:  # the pipeline's hooks reduce-scattered and scaled them
             return  # (Paddle: HybridParallelOptimizer does not call this then; see v1)
-        if self.comm_overlap:  # the hooks issued the reduce-scatters during backward
+        if self.comm_overlap:  # [later] the hooks issued the reduce-scatters during backward;
+            # waits and checks them (skip when reading the seed: comm_overlap is off there)
             self._wait_own_buffers(self._comm_buffer_list)
             return
         for comm_buffer in self._comm_buffer_list:
             if self.pp_release_grads and comm_buffer.grad_storage is None:
                 for param in comm_buffer.params:
                     comm_buffer._copy_grad_to_buffer(param)
-            elif not self.pp_release_grads:
+            elif not self.pp_release_grads:  # beyond Paddle: re-link rebound grads (skip)
                 self._relink_grads(comm_buffer)
             comm_buffer._comm_grads()
             comm_buffer.scale_grads()

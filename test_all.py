@@ -218,6 +218,18 @@ def test_buffer_misuse(ranks):
     ranks(2).run(fused_buffer._check_misuse)
 
 
+def test_buffer_pin_sign_of_zero(ranks):
+    """Check that a grad that is -0.0 in every micro-batch ends as +0.0 bit for bit, release
+    on as off (the first check-in adds into the zero buffer, as Paddle's develop does)."""
+    ranks(2).run(fused_buffer._check_sign_of_zero)
+
+
+def test_buffer_pin_main_grad_before_hooks(ranks):
+    """Check that a release buffer of fp32 main grads built before register_main_grad_hooks
+    trains bitwise as release off does (nothing reads main_grad at construction)."""
+    ranks(2).run(fused_buffer._check_main_grad_before_hooks)
+
+
 def test_assign_group_by_size():
     """Check buckets close at the byte cap, keep one dtype each, and keep param order."""
     ps = [torch.zeros(100), torch.zeros(100, dtype=torch.bfloat16), torch.zeros(100),
@@ -592,7 +604,7 @@ def _run_json(cmd):
 _TOP_KEYS = {"config", "stages", "phases", "baseline", "modes", "bitwise_equal"}
 _MODE_KEYS = {"losses", "grad_norms", "idle_bytes_allocator", "idle_grad_bytes_counted",
               "peak_bytes", "peak_phase", "phase_bytes", "step_time_s", "step_time_iqr_s",
-              "step_times_s", "eval_peak_bytes", "param_sha256"}
+              "step_times_s", "eval_peak_bytes", "param_sha256", "step_trace"}
 _OTHER_MODE_KEYS = _MODE_KEYS | {"idle_grad_bytes_allocator", "step_time_ratio", "bitwise_equal",
                                  "eval_peak_lower_bytes"}
 _PHASES = ["step start", "before 1st backward", "after 1st backward", "after last backward",
@@ -689,6 +701,35 @@ def _check_trace(trace, world, micro_batches):
             assert wanted | {"step 1", "optimizer step", release} <= spans, (pid, tid, spans)
 
 
+def test_main_job_plot(tmp_path):
+    """Check that --plot writes a picture that decodes, with one panel per rank and one line
+    per mode whose values are the samples the run recorded (its --json step_trace), the
+    phase marks its phase boundaries, in one short run."""
+    from matplotlib.image import imread
+    png = tmp_path / "step.png"
+    result = _run_json([sys.executable, "relgrad.py", "--json", "--plot", str(png), "--steps",
+                        "2", "--eval-every", "0", "--layers", "1", "--d-model", "32",
+                        "--block", "32", "--micro-batch-size", "2", "--pp", "1"])
+    image = imread(png)
+    assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 200, image.shape
+    assert image.std() > 0.01, "a blank picture"
+    panels, modes = result["plot"]["panels"], result["modes"]
+    assert result["plot"]["file"] == str(png) and len(panels) == len(result["stages"]) == 2
+    for rank, panel in enumerate(panels):
+        assert panel["title"].startswith(f"rank {rank} (stage {result['stages'][rank]})\n")
+        assert [line["run"] for line in panel["lines"]] == ["off", "on"]
+        assert [mark["run"] for mark in panel["marks"]] == ["off", "on"]
+        for line, marks in zip(panel["lines"], panel["marks"]):
+            trace = modes[line["run"]]["step_trace"][rank]
+            assert len(trace["t_ms"]) == len(trace["bytes"]) >= 3
+            assert line["t_ms"] == trace["t_ms"] and line["bytes"] == trace["bytes"]
+            assert trace["t_ms"] == sorted(trace["t_ms"]) and trace["t_ms"][0] >= 0
+            phases = [p for p in trace["phases"] if p is not None]
+            assert len(trace["phases"]) == len(_PHASES) and len(phases) == len(_PHASES)
+            assert [[t, b] for t, b in zip(marks["t_ms"], marks["bytes"])] == phases
+            assert all(0 <= t <= trace["t_ms"][-1] for t, _ in phases)
+
+
 def test_torchrun_json():
     """Check `relgrad.py` joins a torchrun job (the several-machines path) and reports the
     effective config: pp 2 without sharding or dp has no overlap and no fused buffers; release
@@ -778,7 +819,7 @@ def test_peers_agree(ranks):
     assert list(systems) == ["v2 release off", "v2 release on", "DDP + ZeRO", "FSDP2"]
     keys = {"idle_bytes_allocator", "peak_bytes", "idle_G", "peak_G", "losses", "step_time_s",
             "step_time_iqr_s", "step_time_ratio", "loss_max_abs_diff", "param_max_abs_diff",
-            "bitwise_equal"}
+            "bitwise_equal", "step_trace"}
     assert all(set(v) == keys for v in systems.values())
     assert systems["v2 release off"]["step_time_ratio"] is None
     assert systems["DDP + ZeRO"]["bitwise_equal"] is True
@@ -1283,6 +1324,9 @@ def test_resumed_scheduler_under_pipeline(ranks, version):
     (["--peers", "--main-grad"], "on 2 processes; drop --main-grad (relgrad.py --help"),
     (["--peers", "--pp", "3", "--sharding", "1"], "drop --pp 3 --sharding 1 (relgrad.py"),
     (["--pp", "x"], "argument --pp: invalid int value: 'x'"),
+    (["--plot", "step.pdf"], "--plot step.pdf: the file must end in .png or .svg"),
+    (["--plot", "/no/such/dir/step.png"], "--plot /no/such/dir/step.png: cannot write a file"),
+    (["--walkthrough", "--plot", "step.png"], "--walkthrough draws no plot: drop --plot"),
 ])
 def test_cli_bad_argument_one_line(capsys, args, message):
     """Check each bad flag ends in one line naming it and the fix, status 2, before any

@@ -282,3 +282,97 @@ def _check_misuse(rank, world):
     assert fused[1].data_ptr() == buf.param_storage[buf.param2offset[fused[1]]:].data_ptr()
     _assert_bitwise(fused, values)
 
+
+
+def _signed_zero_grads(params, k):
+    """One micro-batch: `params[0]`'s grad is nonzero, `params[1]`'s is -0.0 in every element
+    (the grad of `-0.0 * (c * z).sum()`, c > 0)."""
+    p, z = params
+    gen = torch.Generator().manual_seed(k)
+    c = torch.rand(z.shape, generator=gen) + 1
+    ((p * (k + 1)).sum() + (c * z).sum() * -0.0).backward()
+
+
+def _check_sign_of_zero(rank, world):
+    """A grad element that is -0.0 in every micro-batch ends as +0.0, release on and off."""
+    shapes = [(5,), (300,)]  # v2, 2 ranks: z's 300 elements straddle both shards
+    (z,) = _new_params(shapes[1:])  # the -0.0 is real: a plain backward keeps it
+    _signed_zero_grads([torch.zeros(5, requires_grad=True), z], 0)
+    assert z.grad.numel() == 300 and torch.all(torch.signbit(z.grad)), z.grad
+    for act in ACTIONS:
+        for acc in (1, 2):
+            bits = {}
+            for release in (False, True):
+                params = _new_params(shapes)
+                dst = 1 if act == HOOK_ACTION.REDUCE else -1
+                buf = FusedCommBuffer(0, params, None, acc, act, dst, release_grads=release)
+                for p in params:
+                    p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+                bits[release] = []
+                for step in range(2):
+                    for k in range(acc):
+                        _signed_zero_grads(params, k)
+                    buf.scale_grads()
+                    if act == HOOK_ACTION.REDUCE_SCATTER:  # this rank's piece of z
+                        read = [buf._sharding_param_grad_view[params[1]]._slice_grad]
+                    else:  # the reduce's owner (dst 1) alone reads the sum
+                        read = [params[1].grad] if act != HOOK_ACTION.REDUCE or rank == 1 else []
+                    assert len(read) == int(act != HOOK_ACTION.REDUCE or rank == 1)
+                    assert all(g is not None and g.numel() > 0 for g in read)
+                    bits[release].append([g.view(torch.int32).clone() for g in read])
+                    if release:
+                        buf._clear_grad_storage()
+                    else:
+                        for p in params:
+                            p.grad.zero_()
+            assert len(bits[False]) == len(bits[True]) == 2
+            for off, on in zip(bits[False], bits[True]):
+                assert len(off) == len(on)
+                for a, b in zip(off, on):
+                    assert torch.equal(a, b), (act, acc, a, b)
+                    assert torch.all(a == 0), "-0.0 + the zero buffer must give +0.0"
+
+
+def _check_main_grad_before_hooks(rank, world):
+    """bf16 params, fp32 main grads, the buffer built before `register_main_grad_hooks`:
+    release on trains bitwise as off (construction reads no main_grad under release)."""
+    for act in (HOOK_ACTION.ALL_REDUCE, HOOK_ACTION.REDUCE_SCATTER):
+        finals = {}
+        for release in (False, True):
+            params = _new_params([(6,), (3, 5)], torch.bfloat16)
+            buf = FusedCommBuffer(0, params, None, 2, act, use_main_grad=True,
+                                  release_grads=release)
+            assert release or all(hasattr(p, "main_grad") for p in params)
+            if release:
+                assert buf.grad_storage is None and not any(hasattr(p, "main_grad")
+                                                            for p in params)
+            register_main_grad_hooks(params)
+            for p in params:
+                p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+            for step in range(3):
+                for k in range(2):
+                    _backward_int_grads(params, rank, step, k)
+                buf.scale_grads()
+                assert all(p.grad is None and p.main_grad.dtype == torch.float32
+                           for p in params)
+                with torch.no_grad():  # SGD, lr 1/8: v2 steps its shard, then all-gathers
+                    if act == HOOK_ACTION.REDUCE_SCATTER:
+                        for view in buf._sharding_param_grad_view.values():
+                            if view._slice_grad is not None:
+                                shard = buf.param_storage[view._param_begin : view._param_end]
+                                shard.sub_((0.125 * view._slice_grad).to(shard.dtype))
+                        buf.sync_params()
+                    else:
+                        for p in params:
+                            p.sub_((0.125 * p.main_grad).to(p.dtype))
+                if release:
+                    for p in params:
+                        p.main_grad = None
+                    buf._clear_grad_storage()
+                else:
+                    for p in params:
+                        p.main_grad.zero_()
+            finals[release] = [p.detach().clone() for p in params]
+        start = _new_params([(6,), (3, 5)], torch.bfloat16)
+        assert not any(torch.equal(a, b) for a, b in zip(finals[True], start)), "no training"
+        _assert_bitwise(finals[False], finals[True])

@@ -130,6 +130,11 @@ class PipelineRun:
         """This run's bytes at each of `phases.PHASES` in the latest step (None: no such)."""
         return self.probe.bytes
 
+    def phase_marks(self):
+        """(perf_counter ns, bytes) at each of `phases.PHASES` in the latest step, or None."""
+        return [None if t is None else (t, b) for t, b in zip(self.probe.times,
+                                                              self.probe.bytes)]
+
     def counted_grad_bytes(self):
         """Bytes of the grad storages alive now, by our count (`live_grad_bytes`)."""
         return live_grad_bytes(self.model, self.optimizer,
@@ -164,13 +169,14 @@ def measure(builders, steps, batch, device, recorder, eval_batch=None, eval_ever
     eval) and `eval_idle` (bytes held right before it).
 
     `builders`: name -> `build(ledger, recorder, tid)` returning a run with `step(x, y)`
-    (returns the loss), `params()`, and optionally `phase_bytes()`, `counted_grad_bytes()`,
-    `grad_norm()`.
+    (returns the loss), `params()`, and optionally `phase_bytes()`, `phase_marks()`,
+    `counted_grad_bytes()`, `grad_norm()`.
     `batch(step)` -> (x, y), the same for every run. Measures per run: per step `losses`,
     `grad_norms` (before clipping, or None), `idle` (bytes held right after the step,
     garbage collected), `counted` (grad bytes by our count), `peak` (bytes), `time`
-    (seconds); `phases` of the latest step; `built` (bytes after the build). Bytes are the
-    run's own, above what was in use before its build.
+    (seconds); `phases` of the latest step; `built` (bytes after the build); `step_trace`,
+    the last step's samples (`step_trace` below). Bytes are the run's own, above what was in
+    use before its build.
     """
     runs, ledgers, out = {}, {}, {}
     for tid, (name, build) in enumerate(builders.items()):
@@ -179,7 +185,7 @@ def measure(builders, steps, batch, device, recorder, eval_batch=None, eval_ever
         runs[name] = build(ledger, recorder, tid)
         out[name] = {"built": ledger.end(), "losses": [], "grad_norms": [], "idle": [],
                      "counted": [], "peak": [], "peak_phase": [], "time": [],
-                     "phases": None, "eval_peak": [], "eval_idle": []}
+                     "phases": None, "eval_peak": [], "eval_idle": [], "step_trace": None}
     names = list(runs)
     for step in range(steps):
         x, y = batch(step)
@@ -188,11 +194,16 @@ def measure(builders, steps, batch, device, recorder, eval_batch=None, eval_ever
             ledger.begin()
             probe = getattr(run, "probe", None)
             phase_of = (lambda probe=probe: probe.phase) if probe is not None else None
-            with PeakSampler(ledger, recorder, phase_of) as peak:
+            samples = [] if step == steps - 1 else None  # the last step's, for --plot
+            with PeakSampler(ledger, recorder, phase_of, samples) as peak:
                 t0 = time.perf_counter_ns()
                 loss = float(run.step(x, y))  # float(): waits for the device
                 t1 = time.perf_counter_ns()
             m["idle"].append(ledger.end())
+            if samples is not None:
+                samples.append((time.perf_counter_ns() - peak.t0, m["idle"][-1]))
+                marks = run.phase_marks() if hasattr(run, "phase_marks") else None
+                m["step_trace"] = step_trace(samples, peak.t0, marks)
             recorder.counter(time.perf_counter_ns(), allocator_in_use_bytes(device) or 0)
             recorder.span(f"step {step + 1}", names.index(name), t0, t1)
             m["losses"].append(loss)
@@ -215,6 +226,20 @@ def measure(builders, steps, batch, device, recorder, eval_batch=None, eval_ever
                 ledger.end()
                 m["eval_peak"].append(peak.peak)
     return runs, out
+
+
+def step_trace(samples, t0, marks=None):
+    """One step's memory as `--plot` draws it and `--json` holds it: {"t_ms": [...], "bytes":
+    [...], "phases": [[t_ms, bytes] or None per `phases.PHASES`] or None}.
+
+    `samples`: (ns since `t0`, bytes) from `PeakSampler`, the first as the step began, the
+    next every 0.5 ms (CPU), the last after the step, garbage collected (the bytes held
+    between steps); `marks`: (perf_counter ns, bytes) per phase boundary, or None.
+    """
+    phases = None if marks is None else [
+        None if mark is None else [(mark[0] - t0) / 1e6, mark[1]] for mark in marks]
+    return {"t_ms": [t / 1e6 for t, _ in samples], "bytes": [b for _, b in samples],
+            "phases": phases}
 
 
 def warm_up_then_measure(builders, steps, batch, device, trace, eval_batch=None,

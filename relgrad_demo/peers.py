@@ -27,6 +27,7 @@ from torch import nn
 
 from relgrad_demo.job import PipelineRun, make_strategy, warm_up_then_measure
 from relgrad_demo.lm import Corpus, lm_layers, lm_loss
+from relgrad_demo.phases import PHASES
 from relgrad_demo.report import quartiles, time_ratio
 from relgrad import HybridCommunicateGroup
 
@@ -67,25 +68,43 @@ class _TorchRun:
     """The LM as one nn.Sequential trained by a plain accumulation loop: micro-batch k runs
     forward and backward of `loss / micro_batches` (as PipelineParallel scales it), the grad
     sync only on the last one; then the optimizer steps and `zero_grad()` drops the grads
-    (torch's default, set_to_none=True)."""
+    (torch's default, set_to_none=True). `phase_marks()`: (perf_counter ns, bytes) at each
+    of `phases.PHASES` in the latest step; None at "after collectives" (its collectives
+    complete inside the last backward)."""
+
+    def _mark(self, phase):
+        self._marks[phase] = (_now(), self.ledger.now())
+
+    def phase_marks(self):
+        """(perf_counter ns, bytes) or None per `phases.PHASES`, in the latest step."""
+        return self._marks
 
     def _layers(self, ctx):
         return [build() for build in lm_layers(ctx.vocab, ctx.opts, ctx.device)]
 
     def _train(self, x, y, no_sync):
+        self._marks = [None] * len(PHASES)
+        self._mark(0)
         acc, total = self.acc, torch.zeros((), device=x.device)
         for k, (xk, yk) in enumerate(zip(x.chunk(acc), y.chunk(acc))):
             with no_sync(k < acc - 1):
                 t0 = _now()
                 loss = lm_loss(self.model(xk), yk).float() / acc
                 t1 = _now()
+                if k == 0:
+                    self._mark(1)
                 loss.backward()
+                if k == 0:
+                    self._mark(2)
                 self.recorder.span(f"F{k}", self.tid, t0, t1)
                 self.recorder.span(f"B{k}", self.tid, t1, _now())
             total += loss.detach()
+        self._mark(3)
         with self.recorder.timed("optimizer step", self.tid):
             self.optimizer.step()
+        self._mark(5)
         self.optimizer.zero_grad()
+        self._mark(6)
         return total
 
 
@@ -97,6 +116,7 @@ class DdpZeroRun(_TorchRun):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
         self.acc, self.recorder, self.tid = ctx.opts["micro_batches"], recorder, tid
+        self.ledger, self._marks = ledger, [None] * len(PHASES)
         self.model = DistributedDataParallel(nn.Sequential(*self._layers(ctx)),
                                              gradient_as_bucket_view=True)
         self.optimizer = ZeroRedundancyOptimizer(
@@ -123,6 +143,7 @@ class Fsdp2Run(_TorchRun):
         # backward hook); these layers' outputs are only read out of place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
         self.acc, self.recorder, self.tid = ctx.opts["micro_batches"], recorder, tid
+        self.ledger, self._marks = ledger, [None] * len(PHASES)
         layers = self._layers(ctx)
         self.model = nn.Sequential(*layers)
         for layer in layers:
@@ -207,6 +228,11 @@ def summarize(results, opts):
                                 report.time_ratio
           loss_max_abs_diff, param_max_abs_diff   against the baseline, over steps and ranks
           bitwise_equal         both are 0
+          step_trace            per rank: the last step's memory samples, as in the main
+                                job's --json (report.py; for DDP + ZeRO and FSDP2 the
+                                phases are marked around their loop, "after collectives"
+                                null)
+        plot      with --plot only, as in the main job's --json (report.py)
     """
     ranks = sorted(results, key=lambda r: r["rank"])
     steps = range(opts["steps"])
@@ -232,6 +258,7 @@ def summarize(results, opts):
                 times[name][after1], times[names[0]][after1], name, names[0]),
             "loss_max_abs_diff": loss_diff, "param_max_abs_diff": param_diff,
             "bitwise_equal": loss_diff == 0 and param_diff == 0,
+            "step_trace": [m["step_trace"] for m in ms],
         }
     config = {"processes": len(ranks), "layout": "sharding 2 without pipeline",
               "steps": opts["steps"], "micro_batches": opts["micro_batches"],

@@ -38,13 +38,15 @@ class PipelineProbe:
     """Phase bytes and spans of one pipeline run; `start_step()` right before `train_batch`.
 
     `bytes[i]` is the run's bytes (its `Ledger`) at `PHASES[i]` in the latest step, None for
-    a boundary this layout does not have (no collective on grads, e.g. pp only).
+    a boundary this layout does not have (no collective on grads, e.g. pp only); `times[i]`
+    is when it was read (`time.perf_counter_ns()`), None likewise.
     """
 
     def __init__(self, model, optimizer, ledger, recorder, tid):
         self.model, self.optimizer, self.ledger = model, optimizer, ledger
         self.recorder, self.tid = recorder, tid
         self.bytes, self._backwards, self._watched = [None] * len(PHASES), 0, set()
+        self.times = [None] * len(PHASES)
         self._release_name = "release" if model._release_gradients else "zero grads"
         self._step_end = 0
         self.phase = "forward"  # what the run is doing now, for the peak's phase
@@ -70,7 +72,7 @@ class PipelineProbe:
 
     def start_step(self):
         """Mark the step start; watch buffers built since (sharding's are built lazily)."""
-        self.bytes = [None] * len(PHASES)
+        self.bytes, self.times = [None] * len(PHASES), [None] * len(PHASES)
         self._backwards = 0
         for buffer in comm_buffers(self.model, self.optimizer):
             if id(buffer) not in self._watched:
@@ -91,6 +93,7 @@ class PipelineProbe:
 
     def _mark(self, phase):
         self.bytes[phase] = self.ledger.now()
+        self.times[phase] = time.perf_counter_ns()
 
     def _before_backward(self, *args):
         self.phase = "backward"

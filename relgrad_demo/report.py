@@ -30,6 +30,13 @@ lists marked "per rank" are indexed by global rank):
       step_time_iqr_s          [first, third] quartile of the same
       step_times_s             per step, the slowest rank's wall time
       param_sha256             per rank: SHA-256 of its final params' bytes (hex)
+      step_trace               per rank: the run's bytes over the last step, the samples
+                               `--plot` draws: {"t_ms": ms since the step began, "bytes":
+                               the run's bytes then, "phases": [t_ms, bytes] at each of
+                               `phases` (null: no such boundary)}; the first sample as the
+                               step begins, then one per 0.5 ms (CPU; none on GPU), then
+                               one as it ends and one after it, garbage collected (the
+                               bytes held until the next step)
       (other modes only, against the baseline:)
       idle_grad_bytes_allocator  per rank: baseline's idle_bytes_allocator minus this mode's:
                                  the grad bytes this mode frees between steps
@@ -39,6 +46,9 @@ lists marked "per rank" are indexed by global rank):
                                {"median", "iqr", "steps", "verdict"}
       bitwise_equal            losses, grad norms and final params equal the baseline's
     bitwise_equal  every mode equals the baseline bit for bit
+    plot         with --plot only: what the picture holds, read back from it
+                 (`plot.draw_step`): {"file", "panels": per rank {"title", "lines": per run
+                 {"run": the mode, "t_ms", "bytes"}, "marks": the phase boundaries, alike}}
 """
 import dataclasses
 import statistics
@@ -136,6 +146,7 @@ def summarize(results, opts):
             "eval_peak_bytes": [_max(m["eval_peak"]) if m["eval_peak"] else None for m in ms],
             "step_time_s": median, "step_time_iqr_s": [q1, q3], "step_times_s": times[mode],
             "param_sha256": [m["param_sha256"] for m in ms],
+            "step_trace": [m["step_trace"] for m in ms],
         }
         if mode != base:
             entry["idle_grad_bytes_allocator"] = [
