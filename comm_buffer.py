@@ -410,6 +410,7 @@ class FusedCommBuffer:
                                                      device=device)
                     for p in params:
                         _share_param_buffer(p, self.param_storage, self.param2offset[p])
+                # Seed hunk (reconstructed, point 1): with release, lay out and allocate nothing
                 if not release_grads:
                     self.grad_storage = torch.zeros(self.buffer_size, dtype=self._dtype,
                                                     device=device)
@@ -482,6 +483,7 @@ class FusedCommBuffer:
         the first check-in. A param without a grad gets its zero slot, as it would have with
         release off (Paddle fails there), so release on and off stay bitwise equal.
         """
+        # Seed hunk (reconstructed, point 3): allocate if absent, add in, re-point the grad
         if self._params_step_dict[param] > 0:
             return
         if self.grad_storage is None:
@@ -523,6 +525,7 @@ class FusedCommBuffer:
         if self._task is not None:
             raise RuntimeError(f"bucket {self._id}: a collective on the grad buffer is in "
                                "flight; call scale_grads() before releasing the buffer")
+        # Seed hunk (reconstructed, point 4): free the buffer (torch: drop every reference)
         self._drop_grad_storage()
         self._freed_in_comm = False
         self._reset_params_checked_in()
@@ -579,6 +582,7 @@ class FusedCommBuffer:
             raise ValueError(f"add_grad: {self._name(param)} still has its low-precision grad: "
                              "register_main_grad_hooks must be registered before the buffer's "
                              "hooks (bw_hook_func), so that main_grad is up to date here")
+        # Seed hunk (reconstructed, point 2): a first check-in moves the grad into the buffer
         if self._release_grads and self._params_step_dict[param] == 0:
             unreleased = self.grad_storage is not None or self._freed_in_comm
             if unreleased and self._params_checked_in == 0 and not any(
@@ -769,6 +773,7 @@ def _check_args(params, acc_steps, act, dst, fuse_param, release_grads):
         raise ValueError("act=REDUCE needs dst, the global rank that owns the bucket; got -1")
     if act != HOOK_ACTION.REDUCE and dst != -1:
         raise ValueError(f"dst={dst} is only meaningful with act=REDUCE; pass dst=-1")
+    # Seed hunk (reconstructed, point 5): fuse_param with release is refused
     if fuse_param and release_grads:
         raise ValueError("fuse_param=True and release_grads=True cannot be used together "
                          "(as in Paddle); turn one off")

@@ -1,6 +1,6 @@
 """Tests for relgrad: comm buffers, sharding v1/v2, the 1F1B pipeline, config and the demo.
 
-One test per scenario. What each rank runs lives in `checks/` (one module per library module);
+One test per scenario. What each rank runs lives in `relgrad_checks/` (one module per concern);
 the tests here say what is checked and on how many ranks. Multi-rank scenarios run on a pool of
 gloo ranks spawned once per world size and kept for the session (`ranks(world)`): spawning a
 rank costs seconds (torch import), running a scenario on a live one costs little. A rank that
@@ -459,7 +459,7 @@ def test_pipeline_eval_and_errors(ranks):
     ranks(2).run(pipe.eval_and_errors)
 
 
-# ---------------------------------------------------------------- pipeline_schedules/
+# ---------------------------------------------------------------- relgrad_extras/interleave.py
 
 def test_interleave_schedule_and_errors(ranks):
     """Check the interleaved order (pp 2, 2 virtual stages, 4 and 8 micro-batches) equals the
@@ -490,7 +490,7 @@ def test_interleave_tied_weights(ranks):
     ranks(4).run(interleave.tied_weights)
 
 
-# ---------------------------------------------------------------- grad_clip/, shared_weights/
+# ---------------------------------------- relgrad_extras/grad_clip.py, shared_weights.py
 
 def test_clip_coefficient_and_fp32_sum():
     """Check Paddle's coefficient (below the norm: clip/(clip+1e-6), not 1; above: torch's),
@@ -588,7 +588,7 @@ def _run_json(cmd):
     return json.loads(done.stdout)  # exactly one JSON object on stdout
 
 
-# The --json schema (demo/report.py): keys of the object and of each mode.
+# The --json schema (relgrad_demo/report.py): keys of the object and of each mode.
 _TOP_KEYS = {"config", "stages", "phases", "baseline", "modes", "bitwise_equal"}
 _MODE_KEYS = {"losses", "grad_norms", "idle_bytes_allocator", "idle_grad_bytes_counted",
               "peak_bytes", "peak_phase", "phase_bytes", "step_time_s", "step_time_iqr_s",
