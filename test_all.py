@@ -973,11 +973,11 @@ def test_live_grad_bytes():
     assert live_grad_bytes(model, opt, [buffer]) == 4000 + 40
 
 
-# ---------------------------------------------------------------- README recipes, copied
+# ---------------------------------------------------------------- recipes of README and docs/
 
 def _recipe(name):
     found = recipes.readme_recipes()
-    assert set(found) == {"a", "b", "c", "d"}, f"README recipes: {sorted(found)}"
+    assert set(found) == {"a", "b", "c", "d", "e", "f"}, f"recipes: {sorted(found)}"
     return found[name]
 
 
@@ -1071,6 +1071,35 @@ def test_recipe_extras(tmp_path):
     _moved(want, after_3)
     _assert_params(params[1], after_3)  # rank 1 stopped after the distributed steps
     _assert_params(params[0], want)
+
+
+def test_recipe_bf16_main_grads(tmp_path):
+    """Check that docs recipe (e), bf16 params with fp32 main grads under sharding v2 with
+    release, equals bitwise one process keeping fp32 masters and summing in the ranks' order."""
+    files, source = _recipe("e")
+    assert sorted(files) == ["comm_buffer.py", "relgrad.py", "sharding.py"]
+    codes, outputs, params = recipes.run_recipe(tmp_path, files, source, world=2)
+    assert codes == [0, 0], outputs
+    want = recipes.main_grad_reference(recipes._mlp(), range(6), rows=16, world=2, acc=2)
+    assert all(p.dtype == torch.bfloat16 for p in want)
+    _moved([p.float() for p in want],
+           [p.detach().to(torch.bfloat16).float() for p in recipes._mlp().parameters()])
+    for rank_params in params:
+        _assert_params(rank_params, want, atol=0)
+
+
+def test_recipe_compile_checkpointing(tmp_path):
+    """Check that docs recipe (f), a release fused buffer under torch.compile and activation
+    checkpointing on 2 ranks, equals one process without either."""
+    files, source = _recipe("f")
+    assert files == ["comm_buffer.py"]
+    assert "torch.compile(" in source and "checkpoint(model" in source
+    codes, outputs, params = recipes.run_recipe(tmp_path, files, source, world=2)
+    assert codes == [0, 0], outputs
+    want = recipes.reference(recipes._mlp(), range(6), rows=16)
+    _moved(want, [p.detach() for p in recipes._mlp().parameters()])
+    for rank_params in params:
+        _assert_params(rank_params, want)
 
 
 def test_recipe_without_extras_names_the_folder(tmp_path):
