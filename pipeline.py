@@ -718,6 +718,7 @@ class PipelineParallel(nn.Module):
                             norm_groups(self._hcg), self._device())
         self._grads_pending = False
         self.optimizer.step()
+        # Seed hunk: with release, drop the grads and free every chunk's buffers; else zero.
         if self._release_gradients:
             _clear_grad(self.optimizer, set_to_zero=False)
             for _, buffers in self._chunk_2_comm_buffers.items():

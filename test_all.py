@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,8 +29,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import comm_buffer
-from relgrad_checks import (checkpoints, clipping, contract, demo_peers, failures, fused_buffer,
-                            interleave, loops, pipe, recipes, sharding_overlap, zero)
+from relgrad_checks import (checkpoints, clipping, contract, demo_peers, drift, failures,
+                            fused_buffer, interleave, loops, pipe, recipes, sharding_overlap,
+                            zero)
 from relgrad_demo.memory import live_grad_bytes
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch)
@@ -1115,6 +1117,134 @@ def test_recipe_without_extras_names_the_folder(tmp_path):
     assert len(codes) == 2 and all(code not in (0, None) for code in codes), outputs
     for out in outputs:
         assert "ImportError" in out and "copy the folder relgrad_extras/" in out, out
+
+
+# ---------------------------------------------------------------- the text against the code
+
+# Files the README links to that are drawn or written elsewhere: the picture comes from
+# `python relgrad.py --plot docs/memory-step.png`, docs/nccl.md from the NCCL / GPU notes.
+# While one is absent the path test warns instead of failing; once present it is checked.
+_DRAWN_OR_WRITTEN_ELSEWHERE = {"docs/memory-step.png", "docs/nccl.md"}
+
+
+def _help_text(capsys):
+    import relgrad
+    with pytest.raises(SystemExit):
+        relgrad.parse_args(["--help"])
+    return capsys.readouterr().out
+
+
+def _cited_texts(capsys):
+    """{where: text} for README.md, docs/*.md, --help and the core modules' docstrings."""
+    texts = {str(doc): (drift.REPO / doc).read_text() for doc in drift.docs()}
+    texts["--help"] = _help_text(capsys)
+    texts.update(drift.core_docstrings())
+    return texts
+
+
+def test_drift_hunk_table_ranges():
+    """Check that every row of the README's hunk table cites the whole line range of its
+    method (or field) as the code holds it, with `def <name>` and its `Seed hunk` mark."""
+    rows = drift.hunk_rows((drift.REPO / "README.md").read_text())
+    assert [row[0] for row in rows] == list(range(1, 15)), [row[0] for row in rows]
+    problems = [p for p in map(drift.check_hunk_row, rows) if p]
+    assert not problems, "\n".join(problems)
+
+
+def test_drift_paths_exist(capsys):
+    """Check that every file or folder path the README, docs/, --help and the core docstrings
+    cite exists (from the repo root; a markdown link from its document, anchors included)."""
+    texts = _cited_texts(capsys)
+    assert len(texts) > 10 and "README.md" in texts and "--help" in texts
+    missing, seen = [], 0
+    for where, text in texts.items():
+        paths, _, pairs = drift.citations(text, bare=where == "--help")
+        for path in sorted(paths | {f for f, _ in pairs}):
+            seen += 1
+            if drift.is_ours(path) and not drift.path_exists(path):
+                missing.append(f"{where}: `{path}`")
+        if not where.endswith(".md"):
+            continue
+        base = (drift.REPO / where).parent
+        for target in drift.links(text):
+            seen += 1
+            file, _, anchor = target.partition("#")
+            path = (base / file).resolve() if file else drift.REPO / where
+            rel = path.relative_to(drift.REPO.resolve()).as_posix() if file else where
+            if rel in _DRAWN_OR_WRITTEN_ELSEWHERE and not path.exists():
+                warnings.warn(f"{where} links to {rel}, which is not in this checkout")
+            elif not path.exists():
+                missing.append(f"{where}: link ({target})")
+            elif anchor and anchor not in drift.heading_anchors(path.read_text()):
+                missing.append(f"{where}: link ({target}): no such heading")
+    assert seen > 50, seen
+    assert not missing, "\n".join(missing)
+
+
+def test_drift_names_resolve(capsys):
+    """Check that every `module.name` and `file.py: Class.method` the README, docs/, --help
+    and the core docstrings cite resolves (imported, then getattr)."""
+    texts = _cited_texts(capsys)
+    broken, seen = [], 0
+    for where, text in texts.items():
+        _, dotted, pairs = drift.citations(text)
+        for name in sorted(dotted):
+            seen += 1
+            why = drift.resolve_dotted(name)
+            if why:
+                broken.append(f"{where}: `{name}`: {why}")
+        for file, name in sorted(pairs):
+            if not drift.is_ours(file):
+                continue
+            seen += 1
+            why = drift.resolve_in_file(file, name)
+            if why:
+                broken.append(f"{where}: `{file}: {name}`: {why}")
+    assert seen > 30, seen
+    assert not broken, "\n".join(broken)
+
+
+def test_drift_every_snippet_is_run():
+    """Check that every ```python block of the README and docs/ is a tagged recipe that a test
+    runs, or carries a `<!-- not run: reason -->` line above it."""
+    blocks = recipes.fenced_python_blocks()
+    assert len(blocks) >= 6, blocks
+    untagged = [f"{doc}:{line}" for doc, line, mark in blocks if mark is None]
+    assert not untagged, f"```python blocks neither run nor marked not run: {untagged}"
+    tagged = sorted(mark.split()[1].rstrip(":") for _, _, mark in blocks
+                    if mark.startswith("recipe "))
+    assert tagged == sorted(recipes.readme_recipes()), tagged
+    source = Path(__file__).read_text()
+    unrun = [name for name in tagged if f'_recipe("{name}")' not in source]
+    assert not unrun, f"recipes no test runs: {unrun}"
+
+
+def test_doc_readme_is_a_reading_path():
+    """Check that the README fits the reading path: at most 250 lines of at most 160
+    characters, its sections in the reading order, the picture and its command first."""
+    text = (drift.REPO / "README.md").read_text()
+    lines = text.splitlines()
+    assert 0 < len(lines) <= 250, len(lines)
+    long = [i + 1 for i, line in enumerate(lines) if len(line) > 160]
+    assert not long, f"README lines over 160 characters: {long}"
+    order = ["![", "python relgrad.py --plot docs/memory-step.png", "## The two commands",
+             "## Read it beside the diff", "## Watch it run", "python relgrad.py --walkthrough v2",
+             "## Use it in your own loop", "<!-- recipe a:", "## The reference, in docs/"]
+    at = [text.find(marker) for marker in order]
+    assert all(i >= 0 for i in at) and at == sorted(at), list(zip(order, at))
+    assert text.find("cpu") < text.find("pip install -r requirements.txt"), "CPU note first"
+
+
+def test_doc_no_changelog_words():
+    """Check that the README and docs/ say what is: no "now", "before these", "renamed",
+    "used to", "no longer", and no internal word ("the card")."""
+    banned = re.compile(r"\b(now|before these|renamed|used to|no longer|the card)\b", re.I)
+    docs = drift.docs()
+    assert len(docs) >= 8, docs
+    found = [f"{doc}:{i + 1}: {m.group(0)}" for doc in docs
+             for i, line in enumerate((drift.REPO / doc).read_text().splitlines())
+             for m in banned.finditer(line)]
+    assert not found, found
 
 
 # ---------------------------------------------------------------- the torch loop around sharding
