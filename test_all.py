@@ -930,6 +930,11 @@ def test_walkthrough(ranks, layout):
     other = "flatten_dense_tensors" if layout == "v2" else "build_reduce_scatter_buffer"
     hunks = {t for t in wt.SEED_HUNKS if t[0] in known and t[1] != other}
     assert len(hunks) >= 6 and hunks <= set(tags), sorted(hunks - set(tags))
+    if layout == "v2":  # the README's cut of `--walkthrough v2` is lines it prints
+        readme = (Path(__file__).parent / "README.md").read_text()
+        cut = readme.split("Release on, rank 0, step 1:\n\n```\n", 1)[1].split("```", 1)[0]
+        cut = cut.splitlines()
+        assert len(cut) >= 5 and set(cut) <= set(lines), sorted(set(cut) - set(lines))
 
 
 def test_walkthrough_flags(monkeypatch, capsys):
@@ -1010,7 +1015,7 @@ def test_recipe_dp_fused_buffer(tmp_path):
 
 @pytest.mark.parametrize("split", [True, False])
 def test_recipe_zero(tmp_path, split):
-    """Check that README recipe (b), ZeRO-1 v2 / v1 with release, overlap, 4 micro-batches,
+    """Check that docs recipe (b), ZeRO-1 v2 / v1 with release, overlap, 4 micro-batches,
     clip_grad_norm_, an LR scheduler and a per-rank resume, equals one process."""
     files, source = _recipe("b")
     assert sorted(files) == ["comm_buffer.py", "relgrad.py", "sharding.py"]
@@ -1029,7 +1034,7 @@ def test_recipe_zero(tmp_path, split):
 
 
 def test_recipe_pipeline_sharding(tmp_path):
-    """Check that README recipe (c), pp 2 x sharding 2 v2 with release on 4 ranks, equals one
+    """Check that docs recipe (c), pp 2 x sharding 2 v2 with release on 4 ranks, equals one
     process (stage 0's params then stage 1's are the model's)."""
     files, source = _recipe("c")
     assert sorted(files) == ["comm_buffer.py", "pipeline.py", "relgrad.py", "sharding.py"]
@@ -1046,7 +1051,7 @@ def test_recipe_pipeline_sharding(tmp_path):
 
 
 def test_recipe_extras(tmp_path):
-    """Check that README recipe (d), Paddle's clip as grad_clip= and a consolidated checkpoint
+    """Check that docs recipe (d), Paddle's clip as grad_clip= and a consolidated checkpoint
     resumed by plain AdamW in one process, equals one process throughout."""
     files, source = _recipe("d")
     assert sorted(files) == ["comm_buffer.py", "relgrad.py", "relgrad_extras", "sharding.py"]
