@@ -9,6 +9,7 @@ is rebuilt for the next test, so no test inherits a rank stuck in a collective. 
 asserts against something independent: a per-parameter collective done by hand, one process
 training the same model on the whole batch (the oracle), and release off vs on (bitwise).
 """
+import ast
 import json
 import math
 import os
@@ -1222,6 +1223,22 @@ def test_drift_every_snippet_is_run():
     source = Path(__file__).read_text()
     unrun = [name for name in tagged if f'_recipe("{name}")' not in source]
     assert not unrun, f"recipes no test runs: {unrun}"
+
+
+def test_drift_copy_table_names_each_recipes_files():
+    """Check that the README's copy table names, for every recipe, the files its snippet is
+    run with (the recipe's tag), and the test that runs it."""
+    text = (drift.REPO / "README.md").read_text()
+    rows = re.findall(r"^\| \((\w)\) [^|]+ \| ([^|]+) \| [^|]+ \| `(\w+)` \|$", text, re.M)
+    found = recipes.readme_recipes()
+    assert sorted(name for name, _, _ in rows) == sorted(found), rows
+    source = Path(__file__).read_text()
+    tests = {node.name: ast.get_source_segment(source, node)
+             for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
+    for name, files, test in rows:
+        cited = sorted(f.rstrip("/") for f in re.findall(r"`([^`]+)`", files))
+        assert cited == sorted(found[name][0]), (name, cited, found[name][0])
+        assert f'_recipe("{name}")' in tests.get(test, ""), f"{test} does not run recipe {name}"
 
 
 def test_doc_readme_is_a_reading_path():
