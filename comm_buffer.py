@@ -187,6 +187,7 @@ def flatten_dense_tensors(params, use_main_grad=False, fuse_param=False, release
         pad_bytes = -p.numel() * p.element_size() % ALIGNMENT_BYTES
         param2offset[p] = size
         size += p.numel() + pad_bytes // p.element_size()
+    # Seed hunk (reconstructed, point 1): with release, lay out and allocate nothing
     if release_grad:
         return None, None, size, param2offset
     dtype, device = params[0].dtype, params[0].device
@@ -529,6 +530,7 @@ class FusedCommBuffer:
         the first check-in. A param without a grad gets its zero slot, as it would have with
         release off (Paddle fails there), so release on and off stay bitwise equal.
         """
+        # Seed hunk (reconstructed, point 3): allocate if absent, add in, re-point the grad
         if self._params_step_dict[param] > 0:
             return
         if self.grad_storage is None:
@@ -571,6 +573,7 @@ class FusedCommBuffer:
         if self._task is not None:
             raise RuntimeError(f"bucket {self._id}: a collective on the grad buffer is in "
                                "flight; call scale_grads() before releasing the buffer")
+        # Seed hunk (reconstructed, point 4): free the buffer (torch: drop every reference)
         self._drop_grad_storage()  # Paddle's _clear_dataptr() calls, plus the aliasing grads
         # Beyond Paddle (skip when reading the seed): free_grads_in_comm's mark and the
         # step's check-ins go with the buffer.
@@ -629,6 +632,7 @@ class FusedCommBuffer:
             raise ValueError(_misplaced_check_in(self, param))
         if self.use_main_grad and param.grad is not None:  # beyond Paddle: hooks in order
             raise ValueError(_HOOK_ORDER_MSG.format(name=self._name(param)))
+        # Seed hunk (reconstructed, point 2): a first check-in moves the grad into the buffer
         if self._release_grads and self._params_step_dict[param] == 0:
             if self._last_step_unreleased():  # beyond Paddle: a skipped release
                 raise ValueError(_UNRELEASED_MSG.format(id=self._id))
@@ -802,6 +806,7 @@ def _check_args(params, acc_steps, act, dst, fuse_param, release_grads):
         raise ValueError("act=REDUCE needs dst, the global rank that owns the bucket; got -1")
     if act != HOOK_ACTION.REDUCE and dst != -1:
         raise ValueError(f"dst={dst} is only meaningful with act=REDUCE; pass dst=-1")
+    # Seed hunk (reconstructed, point 5): fuse_param with release is refused
     if fuse_param and release_grads:
         raise ValueError("fuse_param=True and release_grads=True cannot be used together "
                          "(as in Paddle); turn one off")

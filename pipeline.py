@@ -20,9 +20,9 @@ group's timeout and name the stage that did not answer (`_wait_p2p`), and a buck
 incomplete on one rank is issued anyway and agreed on after the schedule (`_scale_and_agree`).
 
 Weights tied across stages (`shared_weights`, Paddle's SharedLayerDesc) live in
-`shared_weights/`; global-norm clipping (`grad_clip`) in `grad_clip/`. The interleaved
-schedule (virtual stages, several model chunks per rank) is the subclass
-`PipelineParallelWithInterleave` in `pipeline_schedules/interleave.py`.
+`relgrad_extras/shared_weights.py`; global-norm clipping (`grad_clip`) in
+`relgrad_extras/grad_clip.py`. The interleaved schedule (virtual stages, several model chunks
+per rank) is the subclass `PipelineParallelWithInterleave` in `relgrad_extras/interleave.py`.
 
 Leaves out: AMP scaler, timers, freeing sent activations early (Paddle's `_release_output`).
 
@@ -724,6 +724,7 @@ class PipelineParallel(nn.Module):
                             norm_groups(self._hcg), self._device())
         self._grads_pending = False  # beyond Paddle: misuse state (skip when reading the seed)
         self.optimizer.step()
+        # Seed hunk: with release, drop the grads and free every chunk's buffers; else zero.
         if self._release_gradients:
             _clear_grad(self.optimizer, set_to_zero=False)
             for _, buffers in self._chunk_2_comm_buffers.items():

@@ -10,8 +10,8 @@ on, same seed and data, and prints what each run held between steps and during o
 step times and whether the runs are bitwise equal (`--peers`: the same LM under torch's DDP +
 ZeroRedundancyOptimizer and FSDP2 beside this repo's sharding v2; `--walkthrough`: the life of
 the fused grad buffers on a tiny model, event by event). Under `torchrun` it joins
-that job instead (nccl on GPUs, gloo otherwise). The job itself lives in `demo/`; the launcher
-here also serves the tests.
+that job instead (nccl on GPUs, gloo otherwise). The job itself lives in `relgrad_demo/`; the
+launcher here also serves the tests.
 
 Leaves out: mp / sep axes.
 
@@ -48,7 +48,7 @@ class PpConfig:
     enable_timer: bool = False  # 3: Paddle's pipeline timers; not implemented, must be False
     sharding_comm_overlap: bool = False  # 4: sharding reduce(-scatter) during backward
     profiling: bool = False  # 5: Paddle's profiler hooks; not implemented, must be False
-    # 6, the seed's new field: the fused grad buffers (the pipeline's with dp / sharding comm
+    # Seed hunk: field 6. The fused grad buffers (the pipeline's with dp / sharding comm
     # overlap; without a pipeline, v1 / v2's own) are allocated at a step's first grad check-in
     # and freed after its optimizer step. The one switch under a pipeline; without one,
     # sharding_configs.release_gradients does the same (the two are ORed for the sharding
@@ -399,7 +399,8 @@ def parse_args(argv=None):
                    "(matplotlib); the values drawn are each run's step_trace in --json")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object only (schema: demo/report.py, demo/peers.py)")
+                   help="print one JSON object only (schema: relgrad_demo/report.py, "
+                   "relgrad_demo/peers.py)")
     p.set_defaults(modes=["off", "on"])
     args = p.parse_args(argv)
     for flag in ("pp", "sharding", "dp", "steps", "micro_batches", "micro_batch_size", "layers"):

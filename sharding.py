@@ -1289,9 +1289,9 @@ class DygraphShardingOptimizer(_Sharding):
             `dp_comm_overlap`, `release_gradients`, and `...["sharding_configs"]`'s
             `comm_overlap`, `accumulate_steps`, `release_gradients`, `free_grads_in_comm`, and
             `strategy.hybrid_configs["pp_degree"]`.
-        grad_clip: None or a `grad_clip.ClipGradByGlobalNorm`, run in `step()` on the owned,
-            reduced grads (Paddle passes it as the inner optimizer's `grad_clip`); then `hcg`
-            also needs `get_pipe_parallel_{group,world_size}()`.
+        grad_clip: None or a `relgrad_extras.grad_clip.ClipGradByGlobalNorm`, run in `step()`
+            on the owned, reduced grads (Paddle passes it as the inner optimizer's
+            `grad_clip`); then `hcg` also needs `get_pipe_parallel_{group,world_size}()`.
     `_param2rank` maps each param (by identity; Paddle: by name) to its owner's sharding rank.
     Call `step()` after backward, then `clear_grad()` / `zero_grad()` before the next step.
     With `sharding_configs.comm_overlap` (no pipeline), `_comm_buffers` holds one REDUCE

@@ -1,6 +1,6 @@
 """Tests for relgrad: comm buffers, sharding v1/v2, the 1F1B pipeline, config and the demo.
 
-One test per scenario. What each rank runs lives in `checks/` (one module per library module);
+One test per scenario. What each rank runs lives in `relgrad_checks/` (one module per concern);
 the tests here say what is checked and on how many ranks. Multi-rank scenarios run on a pool of
 gloo ranks spawned once per world size and kept for the session (`ranks(world)`): spawning a
 rank costs seconds (torch import), running a scenario on a live one costs little. A rank that
@@ -9,6 +9,7 @@ is rebuilt for the next test, so no test inherits a rank stuck in a collective. 
 asserts against something independent: a per-parameter collective done by hand, one process
 training the same model on the whole batch (the oracle), and release off vs on (bitwise).
 """
+import ast
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,8 +30,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import comm_buffer
-from relgrad_checks import (checkpoints, clipping, contract, demo_peers, failures, fused_buffer,
-                            interleave, loops, pipe, recipes, sharding_overlap, zero)
+from relgrad_checks import (checkpoints, clipping, contract, demo_peers, drift, failures,
+                            fused_buffer, interleave, loops, pipe, recipes, sharding_overlap,
+                            zero)
 from relgrad_demo.memory import live_grad_bytes
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch)
@@ -471,7 +474,7 @@ def test_pipeline_eval_and_errors(ranks):
     ranks(2).run(pipe.eval_and_errors)
 
 
-# ---------------------------------------------------------------- pipeline_schedules/
+# ---------------------------------------------------------------- relgrad_extras/interleave.py
 
 def test_interleave_schedule_and_errors(ranks):
     """Check the interleaved order (pp 2, 2 virtual stages, 4 and 8 micro-batches) equals the
@@ -502,7 +505,7 @@ def test_interleave_tied_weights(ranks):
     ranks(4).run(interleave.tied_weights)
 
 
-# ---------------------------------------------------------------- grad_clip/, shared_weights/
+# ---------------------------------------- relgrad_extras/grad_clip.py, shared_weights.py
 
 def test_clip_coefficient_and_fp32_sum():
     """Check Paddle's coefficient (below the norm: clip/(clip+1e-6), not 1; above: torch's),
@@ -600,7 +603,7 @@ def _run_json(cmd):
     return json.loads(done.stdout)  # exactly one JSON object on stdout
 
 
-# The --json schema (demo/report.py): keys of the object and of each mode.
+# The --json schema (relgrad_demo/report.py): keys of the object and of each mode.
 _TOP_KEYS = {"config", "stages", "phases", "baseline", "modes", "bitwise_equal"}
 _MODE_KEYS = {"losses", "grad_norms", "idle_bytes_allocator", "idle_grad_bytes_counted",
               "peak_bytes", "peak_phase", "phase_bytes", "step_time_s", "step_time_iqr_s",
@@ -969,6 +972,11 @@ def test_walkthrough(ranks, layout):
     other = "flatten_dense_tensors" if layout == "v2" else "build_reduce_scatter_buffer"
     hunks = {t for t in wt.SEED_HUNKS if t[0] in known and t[1] != other}
     assert len(hunks) >= 6 and hunks <= set(tags), sorted(hunks - set(tags))
+    if layout == "v2":  # the README's cut of `--walkthrough v2` is lines it prints
+        readme = (Path(__file__).parent / "README.md").read_text()
+        cut = readme.split("Release on, rank 0, step 1:\n\n```\n", 1)[1].split("```", 1)[0]
+        cut = cut.splitlines()
+        assert len(cut) >= 5 and set(cut) <= set(lines), sorted(set(cut) - set(lines))
 
 
 def test_walkthrough_flags(monkeypatch, capsys):
@@ -1014,11 +1022,11 @@ def test_live_grad_bytes():
     assert live_grad_bytes(model, opt, [buffer]) == 4000 + 40
 
 
-# ---------------------------------------------------------------- README recipes, copied
+# ---------------------------------------------------------------- recipes of README and docs/
 
 def _recipe(name):
     found = recipes.readme_recipes()
-    assert set(found) == {"a", "b", "c", "d"}, f"README recipes: {sorted(found)}"
+    assert set(found) == {"a", "b", "c", "d", "e", "f"}, f"recipes: {sorted(found)}"
     return found[name]
 
 
@@ -1049,7 +1057,7 @@ def test_recipe_dp_fused_buffer(tmp_path):
 
 @pytest.mark.parametrize("split", [True, False])
 def test_recipe_zero(tmp_path, split):
-    """Check that README recipe (b), ZeRO-1 v2 / v1 with release, overlap, 4 micro-batches,
+    """Check that docs recipe (b), ZeRO-1 v2 / v1 with release, overlap, 4 micro-batches,
     clip_grad_norm_, an LR scheduler and a per-rank resume, equals one process."""
     files, source = _recipe("b")
     assert sorted(files) == ["comm_buffer.py", "relgrad.py", "sharding.py"]
@@ -1068,7 +1076,7 @@ def test_recipe_zero(tmp_path, split):
 
 
 def test_recipe_pipeline_sharding(tmp_path):
-    """Check that README recipe (c), pp 2 x sharding 2 v2 with release on 4 ranks, equals one
+    """Check that docs recipe (c), pp 2 x sharding 2 v2 with release on 4 ranks, equals one
     process (stage 0's params then stage 1's are the model's)."""
     files, source = _recipe("c")
     assert sorted(files) == ["comm_buffer.py", "pipeline.py", "relgrad.py", "sharding.py"]
@@ -1085,7 +1093,7 @@ def test_recipe_pipeline_sharding(tmp_path):
 
 
 def test_recipe_extras(tmp_path):
-    """Check that README recipe (d), Paddle's clip as grad_clip= and a consolidated checkpoint
+    """Check that docs recipe (d), Paddle's clip as grad_clip= and a consolidated checkpoint
     resumed by plain AdamW in one process, equals one process throughout."""
     files, source = _recipe("d")
     assert sorted(files) == ["comm_buffer.py", "relgrad.py", "relgrad_extras", "sharding.py"]
@@ -1114,6 +1122,35 @@ def test_recipe_extras(tmp_path):
     _assert_params(params[0], want)
 
 
+def test_recipe_bf16_main_grads(tmp_path):
+    """Check that docs recipe (e), bf16 params with fp32 main grads under sharding v2 with
+    release, equals bitwise one process keeping fp32 masters and summing in the ranks' order."""
+    files, source = _recipe("e")
+    assert sorted(files) == ["comm_buffer.py", "relgrad.py", "sharding.py"]
+    codes, outputs, params = recipes.run_recipe(tmp_path, files, source, world=2)
+    assert codes == [0, 0], outputs
+    want = recipes.main_grad_reference(recipes._mlp(), range(6), rows=16, world=2, acc=2)
+    assert all(p.dtype == torch.bfloat16 for p in want)
+    _moved([p.float() for p in want],
+           [p.detach().to(torch.bfloat16).float() for p in recipes._mlp().parameters()])
+    for rank_params in params:
+        _assert_params(rank_params, want, atol=0)
+
+
+def test_recipe_compile_checkpointing(tmp_path):
+    """Check that docs recipe (f), a release fused buffer under torch.compile and activation
+    checkpointing on 2 ranks, equals one process without either."""
+    files, source = _recipe("f")
+    assert files == ["comm_buffer.py"]
+    assert "torch.compile(" in source and "checkpoint(model" in source
+    codes, outputs, params = recipes.run_recipe(tmp_path, files, source, world=2)
+    assert codes == [0, 0], outputs
+    want = recipes.reference(recipes._mlp(), range(6), rows=16)
+    _moved(want, [p.detach() for p in recipes._mlp().parameters()])
+    for rank_params in params:
+        _assert_params(rank_params, want)
+
+
 def test_recipe_without_extras_names_the_folder(tmp_path):
     """Check that recipe (d) copied without relgrad_extras/ fails on every rank with an
     ImportError that names the folder, before any rank waits on another."""
@@ -1127,6 +1164,151 @@ def test_recipe_without_extras_names_the_folder(tmp_path):
     assert len(codes) == 2 and all(code not in (0, None) for code in codes), outputs
     for out in outputs:
         assert "ImportError" in out and "copy the folder relgrad_extras/" in out, out
+
+
+# ---------------------------------------------------------------- the text against the code
+
+# Files the README links to that are drawn or written elsewhere: the picture comes from
+# `python relgrad.py --plot docs/memory-step.png`, docs/nccl.md from the NCCL / GPU notes.
+# While one is absent the path test warns instead of failing; once present it is checked.
+_DRAWN_OR_WRITTEN_ELSEWHERE = {"docs/nccl.md"}
+
+
+def _help_text(capsys):
+    import relgrad
+    with pytest.raises(SystemExit):
+        relgrad.parse_args(["--help"])
+    return capsys.readouterr().out
+
+
+def _cited_texts(capsys):
+    """{where: text} for README.md, docs/*.md, --help and the core modules' docstrings."""
+    texts = {str(doc): (drift.REPO / doc).read_text() for doc in drift.docs()}
+    texts["--help"] = _help_text(capsys)
+    texts.update(drift.core_docstrings())
+    return texts
+
+
+def test_drift_hunk_table_ranges():
+    """Check that every row of the README's hunk table cites the whole line range of its
+    method (or field) as the code holds it, with `def <name>` and its `Seed hunk` mark."""
+    rows = drift.hunk_rows((drift.REPO / "README.md").read_text())
+    assert [row[0] for row in rows] == list(range(1, 15)), [row[0] for row in rows]
+    problems = [p for p in map(drift.check_hunk_row, rows) if p]
+    assert not problems, "\n".join(problems)
+
+
+def test_drift_paths_exist(capsys):
+    """Check that every file or folder path the README, docs/, --help and the core docstrings
+    cite exists (from the repo root; a markdown link from its document, anchors included)."""
+    texts = _cited_texts(capsys)
+    assert len(texts) > 10 and "README.md" in texts and "--help" in texts
+    missing, seen = [], 0
+    for where, text in texts.items():
+        paths, _, pairs = drift.citations(text, bare=where == "--help")
+        for path in sorted(paths | {f for f, _ in pairs}):
+            seen += 1
+            if drift.is_ours(path) and not drift.path_exists(path):
+                missing.append(f"{where}: `{path}`")
+        if not where.endswith(".md"):
+            continue
+        base = (drift.REPO / where).parent
+        for target in drift.links(text):
+            seen += 1
+            file, _, anchor = target.partition("#")
+            path = (base / file).resolve() if file else drift.REPO / where
+            rel = path.relative_to(drift.REPO.resolve()).as_posix() if file else where
+            if rel in _DRAWN_OR_WRITTEN_ELSEWHERE and not path.exists():
+                warnings.warn(f"{where} links to {rel}, which is not in this checkout")
+            elif not path.exists():
+                missing.append(f"{where}: link ({target})")
+            elif anchor and anchor not in drift.heading_anchors(path.read_text()):
+                missing.append(f"{where}: link ({target}): no such heading")
+    assert seen > 50, seen
+    assert not missing, "\n".join(missing)
+
+
+def test_drift_names_resolve(capsys):
+    """Check that every `module.name` and `file.py: Class.method` the README, docs/, --help
+    and the core docstrings cite resolves (imported, then getattr)."""
+    texts = _cited_texts(capsys)
+    broken, seen = [], 0
+    for where, text in texts.items():
+        _, dotted, pairs = drift.citations(text)
+        for name in sorted(dotted):
+            seen += 1
+            why = drift.resolve_dotted(name)
+            if why:
+                broken.append(f"{where}: `{name}`: {why}")
+        for file, name in sorted(pairs):
+            if not drift.is_ours(file):
+                continue
+            seen += 1
+            why = drift.resolve_in_file(file, name)
+            if why:
+                broken.append(f"{where}: `{file}: {name}`: {why}")
+    assert seen > 30, seen
+    assert not broken, "\n".join(broken)
+
+
+def test_drift_every_snippet_is_run():
+    """Check that every ```python block of the README and docs/ is a tagged recipe that a test
+    runs, or carries a `<!-- not run: reason -->` line above it."""
+    blocks = recipes.fenced_python_blocks()
+    assert len(blocks) >= 6, blocks
+    untagged = [f"{doc}:{line}" for doc, line, mark in blocks if mark is None]
+    assert not untagged, f"```python blocks neither run nor marked not run: {untagged}"
+    tagged = sorted(mark.split()[1].rstrip(":") for _, _, mark in blocks
+                    if mark.startswith("recipe "))
+    assert tagged == sorted(recipes.readme_recipes()), tagged
+    source = Path(__file__).read_text()
+    unrun = [name for name in tagged if f'_recipe("{name}")' not in source]
+    assert not unrun, f"recipes no test runs: {unrun}"
+
+
+def test_drift_copy_table_names_each_recipes_files():
+    """Check that the README's copy table names, for every recipe, the files its snippet is
+    run with (the recipe's tag), and the test that runs it."""
+    text = (drift.REPO / "README.md").read_text()
+    rows = re.findall(r"^\| \((\w)\) [^|]+ \| ([^|]+) \| [^|]+ \| `(\w+)` \|$", text, re.M)
+    found = recipes.readme_recipes()
+    assert sorted(name for name, _, _ in rows) == sorted(found), rows
+    source = Path(__file__).read_text()
+    tests = {node.name: ast.get_source_segment(source, node)
+             for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
+    for name, files, test in rows:
+        cited = sorted(f.rstrip("/") for f in re.findall(r"`([^`]+)`", files))
+        assert cited == sorted(found[name][0]), (name, cited, found[name][0])
+        assert f'_recipe("{name}")' in tests.get(test, ""), f"{test} does not run recipe {name}"
+
+
+def test_doc_readme_is_a_reading_path():
+    """Check that the README fits the reading path: at most 250 lines of at most 160
+    characters, its sections in the reading order, the picture and its command first."""
+    text = (drift.REPO / "README.md").read_text()
+    lines = text.splitlines()
+    assert 0 < len(lines) <= 250, len(lines)
+    long = [i + 1 for i, line in enumerate(lines) if len(line) > 160]
+    assert not long, f"README lines over 160 characters: {long}"
+    order = ["![", "python relgrad.py --plot docs/memory-step.png", "## The two commands",
+             "## Read it beside the diff", "## Watch it run", "python relgrad.py --walkthrough v2",
+             "## Use it in your own loop", "<!-- recipe a:", "## The reference, in docs/"]
+    at = [text.find(marker) for marker in order]
+    assert all(i >= 0 for i in at) and at == sorted(at), list(zip(order, at))
+    cpu_note = text.find("--index-url https://download.pytorch.org/whl/cpu")
+    assert 0 <= cpu_note < text.find("pip install -r requirements.txt"), "the CPU note first"
+
+
+def test_doc_no_changelog_words():
+    """Check that the README and docs/ say what is: no "now", "before these", "renamed",
+    "used to", "no longer", and no internal word ("the card")."""
+    banned = re.compile(r"\b(now|before these|renamed|used to|no longer|the card)\b", re.I)
+    docs = drift.docs()
+    assert len(docs) >= 8, docs
+    found = [f"{doc}:{i + 1}: {m.group(0)}" for doc in docs
+             for i, line in enumerate((drift.REPO / doc).read_text().splitlines())
+             for m in banned.finditer(line)]
+    assert not found, found
 
 
 # ---------------------------------------------------------------- the torch loop around sharding

@@ -1,7 +1,8 @@
-"""The README's recipes, run as a user would: each snippet from an empty folder holding only the
-files its recipe names, on local gloo ranks, against plain one-process torch.
+"""The recipes of the README and docs/, run as a user would: each snippet from an empty folder
+holding only the files its recipe names, on local gloo ranks, against plain one-process torch.
 
-`readme_recipes()` reads every block tagged `<!-- recipe X: files -->` in README.md;
+`readme_recipes()` reads every block tagged `<!-- recipe X: files -->` in README.md and
+docs/*.md (`fenced_python_blocks()` lists every ```python block, tagged or not);
 `run_recipe` copies the named files into a temporary folder, appends a line that saves each
 rank's params, and starts the ranks as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1,
 a port the OS picked); the references below train the same model on the whole batch in one
@@ -26,11 +27,39 @@ _SAVE = ("\n# added by the test: each rank's params after the snippet\nimport os
          "f\"params_rank{os.environ['RANK']}.pt\")\n")
 
 
+def doc_files():
+    """README.md and every docs/*.md, as paths relative to the repo root."""
+    return [Path("README.md")] + sorted(p.relative_to(REPO) for p in (REPO / "docs").glob("*.md"))
+
+
 def readme_recipes():
-    """{name: (files to copy, snippet source)} for every tagged recipe in README.md."""
-    found = {m.group(1): (m.group(2).split(), m.group(3))
-             for m in _TAG.finditer((REPO / "README.md").read_text())}
+    """{name: (files to copy, snippet source)} for every tagged recipe in README.md and
+    docs/*.md. Raises ValueError if two blocks carry the same name."""
+    found = {}
+    for doc in doc_files():
+        for m in _TAG.finditer((REPO / doc).read_text()):
+            if m.group(1) in found:
+                raise ValueError(f"recipe {m.group(1)!r} is tagged twice (again in {doc})")
+            found[m.group(1)] = (m.group(2).split(), m.group(3))
     return found
+
+
+_FENCE = re.compile(r"^```python\n", re.M)
+_MARK = re.compile(r"<!-- (recipe \w+: [^>]*?|not run: [^>]+?) -->\n$")
+
+
+def fenced_python_blocks():
+    """[(doc, line number, the marker line above the block or None)] for every ```python
+    block of README.md and docs/*.md. A block is run by a test when its marker is
+    `<!-- recipe NAME: files -->`; `<!-- not run: reason -->` says why it is not."""
+    blocks = []
+    for doc in doc_files():
+        text = (REPO / doc).read_text()
+        for m in _FENCE.finditer(text):
+            before = text[:m.start()]
+            mark = _MARK.search(before[before.rstrip("\n").rfind("\n") + 1:])
+            blocks.append((str(doc), before.count("\n") + 1, mark and mark.group(1)))
+    return blocks
 
 
 def _free_port():
@@ -112,3 +141,35 @@ def pipeline_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
                                torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+
+def main_grad_reference(model, steps, rows, world, acc):
+    """Plain torch, one process, for recipe (e): the model in bf16, fp32 master copies stepped
+    by AdamW(lr 1e-2). Per step each of `world` replicas (its chunk of the batch) sums its
+    `acc` micro-batches' grads of loss/acc in fp32, micro-batch by micro-batch; the replicas'
+    sums are added in replica order and scaled by 1/world; the masters are copied back into the
+    bf16 params. Returns the bf16 params after the last step."""
+    model.to(torch.bfloat16)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(masters, lr=1e-2)
+    for step in steps:
+        x, y = _batch(step, rows)
+        total = None
+        for xr, yr in zip(x.chunk(world), y.chunk(world)):
+            replica = None
+            for xm, ym in zip(xr.chunk(acc), yr.chunk(acc)):
+                (F.mse_loss(model(xm.to(torch.bfloat16)).float(), ym) / acc).backward()
+                grads = [p.grad.float() for p in params]
+                for p in params:
+                    p.grad = None
+                replica = grads if replica is None else [a + b for a, b in zip(replica, grads)]
+            total = replica if total is None else [a + b for a, b in zip(total, replica)]
+        for master, grad in zip(masters, total):
+            master.grad = grad * (1.0 / world)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, master in zip(params, masters):
+                p.copy_(master)
+    return [p.detach().clone() for p in params]

@@ -57,8 +57,8 @@ _ACTIONS = {HOOK_ACTION.ALL_REDUCE: "all-reduce", HOOK_ACTION.REDUCE: "reduce",
 #   step: the optimizer steps
 #   clear, free: release: grads dropped, then the buffer freed
 #   zero: release off: grads zeroed in place, the buffer kept
-# The tags that name a hunk of the seed diff (README, "The seed diff, hunk by hunk"; the
-# layout functions are the constructor's part of the `tensor_fusion_helper.py` row). Lines
+# The tags that name a hunk of the seed diff (the README's "Read it beside the diff"; the
+# layout functions are the constructor's part, point 1 of `tensor_fusion_helper.py`). Lines
 # with other tags show the calls around the hunks: the collective, the wait, the step.
 SEED_HUNKS = {
     ("comm_buffer.py", "flatten_dense_tensors"), ("comm_buffer.py", "build_reduce_scatter_buffer"),

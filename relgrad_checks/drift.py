@@ -1,0 +1,225 @@
+"""What the README, docs/, `--help` and the core modules' docstrings cite, read from the files.
+
+The drift tests check each citation against the code: a path (relative to the repo root; a
+markdown link relative to its document), a `module.name` (imported, then `getattr`), a
+`file.py: Class.method` (the file's module imported, the name looked up), and each line range
+of the README's hunk table (the method's lines as `ast` sees them, holding its `Seed hunk`
+mark). Pure file reading, no process is started.
+"""
+import ast
+import importlib
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CORE = ("comm_buffer.py", "sharding.py", "pipeline.py", "relgrad.py")
+# First components of a dotted name that are this repo's modules or packages.
+OURS = ("comm_buffer", "sharding", "pipeline", "relgrad", "relgrad_extras", "relgrad_demo",
+        "relgrad_checks", "test_all")
+# Files of Paddle, PaddleNLP, torch or a user's run that the text names, none in this repo.
+NOT_OURS = {"tensor_fusion_helper.py", "dygraph_sharding_optimizer.py", "pipeline_parallel.py",
+            "distributed_strategy.proto", "mix_precision_utils.py", "topology.py",
+            "your_script.py", "recipe.py", "full.pt", "sharding_io.py"}
+NOT_OURS_PREFIXES = ("python/paddle/", "paddle/", "torch/")
+_EXTENSIONS = (".py", ".md", ".png", ".svg", ".txt", ".proto", ".json", ".toml", ".cfg")
+
+_TICKED = re.compile(r"`([^`\n]+)`")
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+_FILE_NAME = re.compile(r"\b([\w/.-]*\w\.py): ([A-Za-z_][\w.]*\w)")
+_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+_PATH = re.compile(r"^[\w./-]+$")
+_CONFIG = re.compile(r"^(pp_configs|sharding_configs)\.(\w+)(?:=\S+)?$")
+_CONFIGS = {"pp_configs": "PpConfig", "sharding_configs": "DygraphShardingConfig"}
+
+
+def docs():
+    """README.md and docs/*.md, relative to the repo root."""
+    return [Path("README.md")] + sorted(p.relative_to(REPO) for p in (REPO / "docs").glob("*.md"))
+
+
+def core_docstrings():
+    """{"file.py:line": docstring} for every module, class and function docstring of the core."""
+    found = {}
+    for name in CORE:
+        tree = ast.parse((REPO / name).read_text())
+        for node in [tree] + [n for n in ast.walk(tree) if isinstance(
+                n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]:
+            text = ast.get_docstring(node, clean=False)
+            if text:
+                found[f"{name}:{getattr(node, 'lineno', 1)}"] = text
+    return found
+
+
+def citations(text, bare=False):
+    """(paths, dotted names, (file, name) pairs) that `text` cites in backticks, links and
+    `file.py: name` tags (as the walkthrough's `[file.py: function]`); with `bare` (plain text
+    such as `--help`), also every word that ends in a file extension or a slash."""
+    paths, dotted = set(), set()
+    pairs = set(_FILE_NAME.findall(text))
+    if bare:
+        for word in re.findall(r"[\w./-]+", text):
+            word = word.rstrip(".")
+            if word.endswith(_EXTENSIONS) or (
+                    word.endswith("/") and re.match(r"^\w", word)):
+                paths.add(word)
+    for token in _TICKED.findall(text):
+        token = token.strip()
+        if _FILE_NAME.fullmatch(token):
+            continue
+        if _PATH.match(token) and (token.endswith("/") or token.endswith(_EXTENSIONS)):
+            paths.add(token)
+        elif _DOTTED.match(token) and token.split(".")[0] in OURS:
+            dotted.add(token)
+        elif _CONFIG.match(token):  # a config field, as `pp_configs.release_gradients=True`
+            section, field = _CONFIG.match(token).groups()
+            dotted.add(f"relgrad.{_CONFIGS[section]}.{field}")
+    return paths, dotted, pairs
+
+
+def links(text):
+    """Markdown link targets of `text` that are not web addresses."""
+    return [t for t in _LINK.findall(text) if not re.match(r"^[a-z]+:", t)]
+
+
+def is_ours(path):
+    """Whether a cited path must exist in this repo (Paddle's and torch's files are not)."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    return name not in NOT_OURS and not path.startswith(NOT_OURS_PREFIXES)
+
+
+def path_exists(path):
+    """A path with a folder in it from the repo root; a bare file name at the root or in one
+    of the repo's folders (docs/, .ci/, relgrad_*/)."""
+    if "/" in path.rstrip("/"):
+        return (REPO / path).exists()
+    folders = [REPO, REPO / "docs", REPO / ".ci"] + sorted(REPO.glob("relgrad_*"))
+    return any((folder / path).exists() for folder in folders)
+
+
+def resolve_dotted(name):
+    """Import the longest module prefix of `name`, then getattr the rest; None if it resolves,
+    else why not."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return f"{'.'.join(parts[:cut])} has no {'.'.join(parts[cut:])}"
+            obj = getattr(obj, attr)
+        return None
+    return f"no module {parts[0]}"
+
+
+def resolve_in_file(file, name):
+    """`file.py: name`: the file exists and its module has `name` (dotted: getattr, so an
+    inherited method counts; bare: a module attribute or an attribute a class of the module
+    defines). None if it resolves, else why not."""
+    if not (REPO / file).is_file():
+        return f"no file {file}"
+    module = importlib.import_module(file[:-3].replace("/", "."))
+    if "." in name:
+        return resolve_dotted(f"{module.__name__}.{name}")
+    if hasattr(module, name):
+        return None
+    classes = [v for v in vars(module).values()
+               if isinstance(v, type) and v.__module__ == module.__name__]
+    if any(name in vars(cls) for cls in classes):
+        return None
+    return f"{file} defines no {name}"
+
+
+def heading_anchors(text):
+    """GitHub's anchors for the headings of a markdown text."""
+    anchors = set()
+    for line in text.splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+# ---------------------------------------------------------------- the hunk table
+
+_ROW = re.compile(r"^\| (\d+) \| (.*?) \| (.*?) \| `([\w/]+\.py): ([\w.]+)` \| "
+                  r"`([\w/]+\.py):(\d+)-(\d+)` \|$", re.M)
+
+
+def hunk_rows(readme):
+    """[(row number, hunk text, file, qualified name, first line, last line)] of the README's
+    hunk table ("Read it beside the diff")."""
+    return [(int(m.group(1)), m.group(2), m.group(4), m.group(5), int(m.group(7)),
+             int(m.group(8)), m.group(6)) for m in _ROW.finditer(readme)]
+
+
+def actual_range(file, qualname):
+    """(first, last) line of `qualname` in `file`, as `ast` sees it: a function or class from
+    its first decorator to its end; a class attribute from the comment block above it to its
+    last line."""
+    source = (REPO / file).read_text()
+    node = ast.parse(source)
+    for part in qualname.split("."):
+        children = [n for n in ast.iter_child_nodes(node) if (
+            isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and n.name == part) or (isinstance(n, ast.AnnAssign)
+                                    and getattr(n.target, "id", None) == part)]
+        if not children:
+            return None
+        node = children[0]
+    if isinstance(node, ast.AnnAssign):
+        lines = source.splitlines()
+        first = node.lineno
+        while first > 1 and lines[first - 2].strip().startswith("#"):
+            first -= 1
+        return first, node.end_lineno
+    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    return first, node.end_lineno
+
+
+def check_hunk_row(row):
+    """Why a row of the hunk table does not match the code, or None: the cited range must be
+    the method's (or field's) whole range, hold `def <name>` (a field: `<name>:`) and a
+    `Seed hunk` mark (a reconstructed point N: `Seed hunk (reconstructed, point N)`)."""
+    number, hunk, file, qualname, first, last, range_file = row
+    if range_file != file:
+        return f"row {number}: range cites {range_file}, the method is in {file}"
+    actual = actual_range(file, qualname)
+    if actual is None:
+        return f"row {number}: {file} has no {qualname}"
+    lines = (REPO / file).read_text().splitlines()[actual[0] - 1 : actual[1]]
+    body = "\n".join(lines)
+    name = qualname.rsplit(".", 1)[-1]
+    point = re.search(r"point (\d)", hunk)
+    mark = (f"# Seed hunk (reconstructed, point {point.group(1)}):" if point
+            else "Seed hunk")
+    problems = []
+    if (first, last) != actual:
+        problems.append(f"cites {file}:{first}-{last}, the code holds it at "
+                        f"{file}:{actual[0]}-{actual[1]}")
+    if not re.search(rf"^\s*(def {name}\(|{name}:)", body, re.M) and \
+            not re.search(rf"^\s*class {name}\b", body, re.M):
+        problems.append(f"no `def {name}` in {file}:{actual[0]}-{actual[1]}")
+    if mark not in body:
+        problems.append(f"no `{mark}` mark in {file}:{actual[0]}-{actual[1]}")
+    return f"row {number} ({qualname}): " + "; ".join(problems) if problems else None
+
+
+def fix_ranges(readme):
+    """The README text with each hunk-table row's range set to what the code holds (the
+    other checks of `check_hunk_row` still apply): for after an edit moves the methods."""
+    def fixed(m):
+        actual = actual_range(m.group(4), m.group(5))
+        if actual is None:
+            return m.group(0)
+        start, end = m.span(7)[0] - m.start(), m.span(8)[1] - m.start()
+        row = m.group(0)
+        return row[:start] + f"{actual[0]}-{actual[1]}" + row[end:]
+    return _ROW.sub(fixed, readme)
+
+
+if __name__ == "__main__":
+    # python -m relgrad_checks.drift: rewrite the hunk table's ranges in README.md in place.
+    path = REPO / "README.md"
+    path.write_text(fix_ranges(path.read_text()))
