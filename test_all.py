@@ -29,7 +29,8 @@ from torch import nn
 
 import comm_buffer
 from relgrad_checks import (checkpoints, clipping, contract, demo_peers, failures, fused_buffer,
-                            interleave, loops, pipe, recipes, sharding_overlap, zero)
+                            interleave, loops, nccl_branch, pipe, recipes, sharding_overlap,
+                            zero)
 from relgrad_demo.memory import live_grad_bytes
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch)
@@ -1423,3 +1424,23 @@ def test_unused_param_on_one_rank_own_overlap(ranks):
         assert len(params0) == len(params1) == 3
         for p0, p1 in zip(params0, params1):
             assert torch.equal(p0, p1)
+
+
+# ---------------------------------------------------------------- on NCCL as on gloo
+
+def test_nccl_branch_sharding_own_buffers(ranks):
+    """Check sharding's own buffers (v2 fp32 and bf16 + fp32 main grads, own overlap on and
+    off; v1) run with NCCL's in-place reduce-scatter / all-gather equal the gloo run bitwise,
+    release off / on / on + free_grads_in_comm."""
+    results = ranks(2).run(nccl_branch.own_buffers, timeout=180)
+    assert len(results) == 2
+    assert all(r == {2: 15, 1: 1} for r in results), results
+
+
+def test_nccl_branch_pipeline_sharding(ranks):
+    """Check pp 2 x sharding 2 under the pipeline's overlap with NCCL's collectives equals the
+    gloo run bitwise (v1, v2, v2 bf16 + main grads; release off / on / on + free), and that
+    every p2p message, shape metadata included, goes through batch_isend_irecv."""
+    results = ranks(4).run(nccl_branch.pipeline_sharding, timeout=180)
+    assert len(results) == 4
+    assert all(r == {2: 6, 1: 1} for r in results), results
