@@ -1444,3 +1444,72 @@ def test_nccl_branch_pipeline_sharding(ranks):
     results = ranks(4).run(nccl_branch.pipeline_sharding, timeout=180)
     assert len(results) == 4
     assert all(r == {2: 6, 1: 1} for r in results), results
+
+
+def test_pipeline_timeouts_on_any_backend(ranks):
+    """Check pp 2 on groups built with a 13 s timeout waits each p2p message and the entry
+    check's all-reduce with 13 s, and turns NCCL's "timing out" / watchdog texts and gloo's
+    "Timed out" into PipelineStageTimeout naming the other stage and the 13 s."""
+    results = ranks(2).run(nccl_branch.timeouts_any_backend, timeout=60)
+    assert len(results) == 2
+    for rank, texts in enumerate(results):
+        assert len(texts) == 3, texts
+        for text in texts[:2]:
+            assert f"stage(s) [{1 - rank}] did not answer a p2p message" in text, text
+        assert all("timeout of 13 s" in text for text in texts), texts
+        assert "train_batch's entry check" in texts[2], texts[2]
+
+
+class _FakeOptions:
+    _timeout = timedelta(minutes=10)
+
+
+class _NcclOnlyGroup:
+    """What an NCCL-only group shows of itself: one device type (cuda), one backend."""
+
+    _device_types = [torch.device("cuda")]
+
+    def _get_backend(self, device):
+        if device.type != "cuda":
+            raise RuntimeError(f"No backend type associated with device type {device.type}")
+        return type("Backend", (), {"options": _FakeOptions()})()
+
+
+def test_group_timeout_and_timeout_texts():
+    """Check the group timeout is read for the device the group's backend serves (an
+    NCCL-only group has no CPU backend), and which wait errors count as timeouts."""
+    assert comm_buffer.group_timeout(_NcclOnlyGroup()) == timedelta(minutes=10)
+    timeouts = ["Work WorkNCCL(SeqNum=9, OpType=RECV, NumelIn=10) timing out after 5000 ms",
+                "Watchdog caught collective operation timeout: WorkNCCL(OpType=ALLREDUCE)",
+                "[gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms for recv",
+                "Wait timeout after 5000 ms", "DistBackendError: operation timed out"]
+    others = ["NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error",
+              "Connection closed by peer [127.0.0.1]:4242", "invalid device ordinal"]
+    assert len(timeouts) == 5 and len(others) == 3
+    assert all(comm_buffer.is_timeout_error(RuntimeError(t)) for t in timeouts)
+    assert not any(comm_buffer.is_timeout_error(RuntimeError(t)) for t in others)
+    assert not comm_buffer.is_timeout_error(ValueError(timeouts[0]))
+
+
+def test_current_device_rule():
+    """Check the construction-time device rule: under NCCL a CUDA param on a device other than
+    the current one is named with the set_device line; gloo, CPU params and the right device
+    pass."""
+    cuda = [torch.device("cuda", 1), torch.device("cuda", 1)]
+    problem = comm_buffer.device_problem("nccl", cuda, 0)
+    assert problem is not None and "cuda:1" in problem and "cuda:0" in problem, problem
+    assert comm_buffer.device_problem("cpu:gloo,cuda:nccl", cuda, 0) == problem
+    for backend, devices, current in (("gloo", cuda, 0), ("nccl", cuda, 1),
+                                      ("nccl", [torch.device("cpu")], 0),
+                                      ("cpu:gloo,cuda:gloo", cuda, 0)):
+        assert comm_buffer.device_problem(backend, devices, current) is None, backend
+    assert "torch.cuda.set_device(local_rank)" in comm_buffer.SET_DEVICE_FIX
+
+
+def test_current_device_agreed_on_every_rank(ranks):
+    """Check a device problem seen on one rank of 2 raises the same ValueError on both,
+    naming that rank and the set_device line."""
+    results = ranks(2).run(nccl_branch.device_agreement, timeout=60)
+    assert len(results) == 2 and results[0] == results[1] and results[0] is not None, results
+    assert "DygraphShardingOptimizerV2: on 1 rank(s) [1]" in results[0], results[0]
+    assert "torch.cuda.set_device(local_rank)" in results[0], results[0]
