@@ -592,8 +592,8 @@ def _run_json(cmd):
 # The --json schema (demo/report.py): keys of the object and of each mode.
 _TOP_KEYS = {"config", "stages", "phases", "baseline", "modes", "bitwise_equal"}
 _MODE_KEYS = {"losses", "grad_norms", "idle_bytes_allocator", "idle_grad_bytes_counted",
-              "peak_bytes", "peak_phase", "phase_bytes", "step_time_s", "step_time_iqr_s",
-              "step_times_s", "eval_peak_bytes", "param_sha256"}
+              "peak_bytes", "peak_reserved_bytes", "peak_phase", "phase_bytes", "step_time_s",
+              "step_time_iqr_s", "step_times_s", "eval_peak_bytes", "param_sha256"}
 _OTHER_MODE_KEYS = _MODE_KEYS | {"idle_grad_bytes_allocator", "step_time_ratio", "bitwise_equal",
                                  "eval_peak_lower_bytes"}
 _PHASES = ["step start", "before 1st backward", "after 1st backward", "after last backward",
@@ -1513,3 +1513,51 @@ def test_current_device_agreed_on_every_rank(ranks):
     assert len(results) == 2 and results[0] == results[1] and results[0] is not None, results
     assert "DygraphShardingOptimizerV2: on 1 rank(s) [1]" in results[0], results[0]
     assert "torch.cuda.set_device(local_rank)" in results[0], results[0]
+
+
+def test_report_cuda_reserved_line(capsys):
+    """Check the report prints the CUDA reserved peak per rank and says what no figure counts
+    (NCCL's buffers) when the ranks ran on a GPU, and prints nothing of it on CPU."""
+    from relgrad_demo.report import _print_reserved
+    gpu = {"stages": [0, 1], "modes": {"off": {"peak_reserved_bytes": [4096, 8192]},
+                                       "on": {"peak_reserved_bytes": [2048, 6144]}}}
+    _print_reserved(gpu, ["off", "on"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2, lines
+    assert "rank 0: 4.0/2.0; rank 1: 8.0/6.0 (off/on)" in lines[0], lines[0]
+    assert "NCCL's own buffers" in lines[1], lines[1]
+    cpu = {"stages": [0], "modes": {"off": {"peak_reserved_bytes": [None]},
+                                    "on": {"peak_reserved_bytes": [None]}}}
+    _print_reserved(cpu, ["off", "on"])
+    assert capsys.readouterr().out == ""
+
+
+def test_masters_reload_check_one_sync_per_step(monkeypatch):
+    """Check MixPrecisionOptimizer's masters' reload check makes one batched host read per
+    step (no torch.equal per param), and still reloads the one param written behind it."""
+    from sharding import MixPrecisionOptimizer
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(3, 4).bfloat16()) for _ in range(5)]
+    opt = MixPrecisionOptimizer(torch.optim.SGD(params, lr=0.5))
+    calls = {"equal": 0, "tolist": 0}
+    real_equal, real_tolist = torch.equal, torch.Tensor.tolist
+
+    def equal(*args):
+        calls["equal"] += 1
+        return real_equal(*args)
+
+    def tolist(self):
+        calls["tolist"] += 1
+        return real_tolist(self)
+
+    with torch.no_grad():
+        params[3].copy_(torch.full((3, 4), 2.0))  # behind the optimizer's back
+    for p in params:
+        p.grad = torch.ones(3, 4, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch, "equal", equal)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    opt.step()
+    monkeypatch.undo()
+    assert calls == {"equal": 0, "tolist": 1}, calls
+    assert len(params) == 5
+    assert torch.equal(params[3].float(), torch.full((3, 4), 1.5))  # 2.0 reloaded, - 0.5
