@@ -1561,3 +1561,61 @@ def test_masters_reload_check_one_sync_per_step(monkeypatch):
     assert calls == {"equal": 0, "tolist": 1}, calls
     assert len(params) == 5
     assert torch.equal(params[3].float(), torch.full((3, 4), 1.5))  # 2.0 reloaded, - 0.5
+
+
+# GPU tests: run where CUDA is (about 1 to 2 minutes on one GPU), skipped here.
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
+                              reason="needs a CUDA GPU (no GPU on this machine)")
+
+
+def _assert_off_minus_on_is_the_buffer(results, ranks_):
+    """Per rank and kind ("dp", "v2"): off - on, between steps and at the eval peak, equals
+    the buffers' bytes (up to the CUDA allocator's 512-byte rounding per bucket); params
+    bitwise equal."""
+    assert len(results) == ranks_
+    for result in results:
+        assert sorted(result) == ["dp", "v2"]
+        for kind, runs in result.items():
+            off, on = runs["off"], runs["on"]
+            buffer, slack = off["buffer_bytes"], 512 * off["buckets"]
+            assert buffer == on["buffer_bytes"] > 1_000_000 and runs["equal"], (kind, runs)
+            for key in ("between", "eval_peak"):
+                assert len(off[key]) == len(on[key]) == 3, (kind, key)
+                for a, b in zip(off[key], on[key]):
+                    assert abs(a - b - buffer) <= slack, (kind, key, a - b, buffer)
+
+
+@_NO_CUDA
+def test_gpu_release_one_rank_nccl():
+    """Check on one GPU with 1-rank NCCL groups that release off - on, from
+    torch.cuda.memory_allocated between steps and at the eval peak, is the buffers' bytes
+    (data-parallel buffer, sharding v2), with params bitwise equal."""
+    results = _run_json([sys.executable, "-m", "relgrad_checks.gpu", "one-rank"])
+    _assert_off_minus_on_is_the_buffer(results, 1)
+
+
+@_NO_CUDA
+def test_gpu_release_two_processes_share_one_gpu_over_gloo():
+    """Check 2 processes sharing one GPU over gloo with CUDA tensors (NCCL refuses two ranks
+    on one GPU): per process, release off - on is the buffers' bytes; params bitwise equal."""
+    results = _run_json([sys.executable, "-m", "relgrad_checks.gpu", "shared"])
+    _assert_off_minus_on_is_the_buffer(results, 2)
+
+
+@_NO_CUDA
+def test_gpu_torchrun_one_process():
+    """Check `python relgrad.py` under torchrun --nproc-per-node 1 on CUDA (nccl): release on
+    and off bitwise equal, the grads' bytes freed between steps read from the allocator, and
+    the CUDA reserved peak reported at or above the allocated one."""
+    result = _run_json([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "1", "relgrad.py", "--json", "--pp", "1",
+                        "--sharding", "1", "--steps", "3", "--layers", "1", "--d-model", "64",
+                        "--block", "32", "--timeout", "120"])
+    _check_schema(result, 1, 3)
+    off, on = result["modes"]["off"], result["modes"]["on"]
+    assert result["bitwise_equal"] is True and off["param_sha256"] == on["param_sha256"]
+    counted = off["idle_grad_bytes_counted"][0]
+    assert counted > 100_000 and on["idle_grad_bytes_counted"] == [0]
+    assert abs(on["idle_grad_bytes_allocator"][0] - counted) <= 32 * 1024, (on, counted)
+    for mode in (off, on):
+        assert mode["peak_reserved_bytes"][0] >= mode["peak_bytes"][0] > 0, mode
