@@ -505,7 +505,9 @@ def main(argv=None):
             opts["device"] = f"cuda:{local_rank}"
         _quiet_flight_recorder()
         # --timeout bounds every collective and p2p wait (the groups inherit it)
-        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+        device_id = torch.device(opts["device"]) if backend == "nccl" else None
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
+                                device_id=device_id)
         rank = dist.get_rank()
         result = fn(rank, dist.get_world_size(), opts)
         gathered = [None] * dist.get_world_size() if rank == 0 else None
