@@ -18,7 +18,8 @@ as the sharding optimizers and the pipeline set up) free during backward, bucket
 On gloo, v2's reduce-scatter and all-gather run as in-place all-reduce / broadcasts, which
 stage no full-size copy (`_stages_full_copies`); NCCL keeps Paddle's collectives.
 Phases of a step: check in -> communicate -> wait, scale (and free) -> step -> release.
-Sections: layout (slots, shards, views); hooks and helpers; the fused buffer.
+Sections: layout (slots, shards, views); hooks and helpers; the fused buffer; process groups
+on any backend (timeouts, timeout errors, the current device).
 
 Differs from the seed: a bf16 / fp16 buffer is divided by the ranks before its sum, not after
 (`sums_in_16_bits`), so that a mean that fits cannot overflow in the sum; fp32 is unchanged.
@@ -897,7 +898,7 @@ def group_timeout(group):
     """The timeout (timedelta) `group` was created with, read from its backend for one of
     the devices it serves (an NCCL-only group has no CPU backend); else torch's default for
     that backend (10 min for nccl, 30 min otherwise: `torch.distributed.constants`).
-    None = the default group."""
+    None = the default group. Not in Paddle (its groups carry no timeout to read)."""
     group = group or dist.distributed_c10d._get_default_group()
     try:
         devices = list(group._device_types)  # private API: the devices its backends serve
@@ -920,7 +921,7 @@ _TIMEOUT_WORDS = re.compile(r"time[ds]?[ _-]?out|timing out|deadline exceeded", 
 def is_timeout_error(error):
     """True if `error` (raised by `Work.wait(timeout)` or a blocking collective) reports a
     timeout: gloo says "Timed out waiting ... for recv operation" / "... timed out", NCCL
-    "... timing out" or "Watchdog caught collective operation timeout"."""
+    "... timing out" or "Watchdog caught collective operation timeout". Not in Paddle."""
     return isinstance(error, (RuntimeError, TimeoutError)) and bool(
         _TIMEOUT_WORDS.search(str(error)))
 
@@ -937,7 +938,8 @@ def device_problem(backend, param_devices, current_device):
     CUDA device is `current_device` (int index, None if no CUDA). NCCL runs every collective
     on the current device, so a CUDA param on another one means `torch.cuda.set_device` was
     not called: every rank would then use cuda:0 (NCCL refuses two ranks on one GPU, or its
-    point-to-point hangs). Pure: no collective, no CUDA call."""
+    point-to-point hangs). Pure: no collective, no CUDA call. Not in Paddle, whose launcher
+    gives each process its GPU (FLAGS_selected_gpus)."""
     if _cuda_backend(backend) != "nccl":
         return None
     others = sorted({str(d) for d in param_devices
@@ -982,7 +984,8 @@ def agree_on_devices(problem, groups, what):
 
 def check_current_device(params, groups, what):
     """`agree_on_devices` for `params` under `groups`, if a group's CUDA backend is NCCL
-    (a rank-independent fact: on gloo nothing is exchanged)."""
+    (a rank-independent fact: on gloo nothing is exchanged). Raises ValueError on every rank
+    of `groups` as `agree_on_devices` says; `what` names the caller. Not in Paddle."""
     if not any(_cuda_backend(dist.get_backend(g)) == "nccl" for g in groups):
         return
     current = torch.cuda.current_device() if torch.cuda.is_available() else None

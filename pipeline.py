@@ -144,7 +144,8 @@ class PipelineParallel(nn.Module):
     Raises ValueError for boundaries that do not cover the layers, an overlap config that
     breaks Paddle's rules (dp_comm_overlap needs dp > 1 and pp > 1, sharding_comm_overlap
     needs sharding > 1 and pp > 1, not both), or pp_configs.num_virtual_pipeline_stages > 1
-    (that is `PipelineParallelWithInterleave`).
+    (that is `PipelineParallelWithInterleave`); under nccl, on every stage, for params on a
+    GPU other than the current one (`comm_buffer.check_current_device`: no set_device).
     """
 
     def __init__(self, layers, hcg, strategy, loss_fn, seg_boundaries=None,

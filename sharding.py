@@ -1306,9 +1306,11 @@ class DygraphShardingOptimizer(_Sharding):
     it, `step()` reduces grad by grad. With free_grads_in_comm, a rank drops the grads it does
     not own once they are reduced (their buffer, or the grads themselves).
     Raises ValueError for a param with no elements or an unsupported config (comm_overlap
-    with a pipeline, free_grads_in_comm without release), at `step()` (on every rank) for no
-    grad on any rank, a closure or a GradScaler, with comm_overlap for a bucket not reduced on
-    every rank or a backward pass too many, and from `add_param_group` as it says;
+    with a pipeline, free_grads_in_comm without release), under nccl (on every rank) for
+    params on a GPU other than the current one (no `torch.cuda.set_device`), at `step()` (on
+    every rank) for no grad on any rank, a closure or a GradScaler, with comm_overlap for a
+    bucket not reduced on every rank or a backward pass too many, and from `add_param_group`
+    as it says;
     RuntimeError for a second `step()` without clearing the grads in between; TypeError for a
     grad_clip of another type.
     """
@@ -1522,7 +1524,8 @@ class DygraphShardingOptimizerV2(_Sharding):
     only this rank's shard once reduced (see `FusedCommBuffer`; with hooks, during backward);
     the params' grads are dropped. Buckets hold `sharding_configs.comm_buffer_size_MB` MB
     (256 if unset) of params.
-    Raises ValueError for `clear_grad(set_to_zero=False)` with release off, at `step()` (on
+    Raises ValueError for `clear_grad(set_to_zero=False)` with release off, under nccl (on
+    every rank) for params on a GPU other than the current one (as v1), at `step()` (on
     every rank) for no grad on any rank or state changed behind its back since it was built
     (`_misuse_rules`), and with comm_overlap as v1 does; RuntimeError if `step()` finds no
     buffers or runs twice without clearing the grads in between; TypeError for a
