@@ -1619,3 +1619,33 @@ def test_gpu_torchrun_one_process():
     assert abs(on["idle_grad_bytes_allocator"][0] - counted) <= 32 * 1024, (on, counted)
     for mode in (off, on):
         assert mode["peak_reserved_bytes"][0] >= mode["peak_bytes"][0] > 0, mode
+
+
+def test_interleave_p2p_batched(ranks):
+    """Check the interleaved schedule (pp 2, 2 virtual stages) sends every p2p message, the
+    shape metadata of each chunk boundary included, through batch_isend_irecv."""
+    batches = ranks(2).run(nccl_branch.interleave_p2p_batched, timeout=60)
+    assert len(batches) == 2 and all(n >= 8 for n in batches), batches
+
+
+def test_cli_timeout_reaches_init_process_group(monkeypatch):
+    """Check `relgrad.py --timeout 77` under torchrun's environment passes 77 s to
+    init_process_group (the groups' timeout), with device_id only on nccl."""
+    import relgrad
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def init(backend, **kwargs):
+        seen.update(kwargs, backend=backend)
+        raise Stop
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(dist, "init_process_group", init)
+    with pytest.raises(Stop):
+        relgrad.main(["--timeout", "77", "--pp", "1", "--sharding", "1"])
+    want = "nccl" if torch.cuda.is_available() else "gloo"
+    assert seen["backend"] == want and seen["timeout"] == timedelta(seconds=77), seen
+    assert (seen["device_id"] is None) == (want == "gloo"), seen

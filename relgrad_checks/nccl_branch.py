@@ -291,3 +291,18 @@ def device_agreement(rank, world):
     except ValueError as error:
         return str(error)
     return None
+
+
+def interleave_p2p_batched(rank, world):
+    """pp 2 with 2 virtual stages, one forward-backward over 4 micro-batches: every p2p
+    message, the shape metadata of each chunk boundary included, goes through
+    batch_isend_irecv. Returns the number of batches."""
+    from relgrad_checks.common import _strategy
+    from relgrad_checks.interleave import _interleaved
+    strategy = _strategy(pp=2, acc=4)
+    model = _interleaved(strategy, HybridCommunicateGroup(strategy))
+    seen = {"unbatched": [], "batches": 0}
+    with _no_unbatched_p2p(seen):
+        model.forward_backward_pipeline(_data(0, 8, PIPE_SIZES[0], PIPE_SIZES[-1]))
+    assert seen["unbatched"] == [], seen
+    return seen["batches"]
