@@ -1611,8 +1611,10 @@ def test_gpu_torchrun_one_process():
                         "--nproc-per-node", "1", "relgrad.py", "--json", "--pp", "1",
                         "--sharding", "1", "--steps", "3", "--layers", "1", "--d-model", "64",
                         "--block", "32", "--timeout", "120"])
-    _check_schema(result, 1, 3)
+    # not _check_schema: on GPU the phase of a peak is unknown (null)
+    assert set(result["modes"]["off"]) == _MODE_KEYS and result["stages"] == [0]
     off, on = result["modes"]["off"], result["modes"]["on"]
+    assert len(off["losses"]) == len(on["losses"]) == 3
     assert result["bitwise_equal"] is True and off["param_sha256"] == on["param_sha256"]
     counted = off["idle_grad_bytes_counted"][0]
     assert counted > 100_000 and on["idle_grad_bytes_counted"] == [0]

@@ -108,6 +108,8 @@ def _train(kind, release, device):
 
 
 def _off_and_on(device):
+    """Per kind, after one warm-up run: release off, then on (one run alive at a time), their
+    measures and whether their final params are bitwise equal."""
     out = {}
     for kind in ("dp", "v2"):
         _train(kind, True, device)  # warm-up: cuBLAS workspaces, kernels, the allocator
@@ -123,15 +125,19 @@ def _off_and_on(device):
 
 
 def _shared_rank(rank, world, device):
-    torch.cuda.set_device(torch.device(device)) if device.startswith("cuda") else None
-    return _off_and_on(torch.device(device))
+    """One of the 2 gloo ranks: both on `device` (the same GPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return _off_and_on(device)
 
 
 def main(argv):
+    """`one-rank` or `shared` [--cpu]: run, print the JSON list of per-rank results."""
     what, cpu = argv[0], "--cpu" in argv
     device = "cpu" if cpu else "cuda:0"
     if what == "shared":  # 2 gloo ranks (relgrad.launch), both on cuda:0
-        print(json.dumps(launch(_shared_rank, 2, (device,), timeout=240)))
+        print(json.dumps(launch(_shared_rank, 2, (device,), timeout=110)))
         return 0
     if not cpu:
         torch.cuda.set_device(0)

@@ -12,7 +12,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import comm_buffer
-import pipeline
 from comm_buffer import agree_on_devices, group_timeout, register_main_grad_hooks
 from pipeline import PipelineParallel, PipelineStageTimeout
 from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig
