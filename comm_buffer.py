@@ -18,7 +18,8 @@ as the sharding optimizers and the pipeline set up) free during backward, bucket
 On gloo, v2's reduce-scatter and all-gather run as in-place all-reduce / broadcasts, which
 stage no full-size copy (`_stages_full_copies`); NCCL keeps Paddle's collectives.
 Phases of a step: check in -> communicate -> wait, scale (and free) -> step -> release.
-Sections: layout (slots, shards, views); hooks and helpers; the fused buffer.
+Sections: layout (slots, shards, views); hooks and helpers; the fused buffer; process groups
+on any backend (timeouts, timeout errors, the current device).
 
 Differs from the seed: a bf16 / fp16 buffer is divided by the ranks before its sum, not after
 (`sums_in_16_bits`), so that a mean that fits cannot overflow in the sum; fp32 is unchanged.
@@ -26,6 +27,7 @@ Leaves out: `use_reduce_avg`, timers and XPU paths (added later).
 
 References: Paddle PRs #59739, #58441, #58462, #58621; Rajbhandari et al., "ZeRO" (2020).
 """
+import re
 import weakref
 from collections import OrderedDict
 
@@ -926,3 +928,119 @@ def _reduce_scatter(output, input, group):
 def _all_gather(output, input, group):
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(output, input, group=group)
+
+
+# ---- process groups on any backend (gloo, nccl): timeouts, timeout errors, devices ----
+
+def group_timeout(group):
+    """The timeout (timedelta) `group` was created with, read from its backend for one of
+    the devices it serves (an NCCL-only group has no CPU backend); else torch's default for
+    that backend (10 min for nccl, 30 min otherwise: `torch.distributed.constants`).
+    None = the default group. Not in Paddle (its groups carry no timeout to read)."""
+    group = group or dist.distributed_c10d._get_default_group()
+    try:
+        devices = list(group._device_types)  # private API: the devices its backends serve
+    except Exception:  # noqa: BLE001
+        devices = []
+    for device in devices:
+        try:
+            return group._get_backend(device).options._timeout
+        except Exception:  # noqa: BLE001 (private API: try the next device, then the default)
+            continue
+    from torch.distributed import constants
+    nccl = "nccl" in str(dist.get_backend(group))
+    return (constants.default_pg_nccl_timeout if nccl and constants.default_pg_nccl_timeout
+            else constants.default_pg_timeout)
+
+
+_TIMEOUT_WORDS = re.compile(r"time[ds]?[ _-]?out|timing out|deadline exceeded", re.IGNORECASE)
+
+
+def is_timeout_error(error):
+    """True if `error` (raised by `Work.wait(timeout)` or a blocking collective) reports a
+    timeout: gloo says "Timed out waiting ... for recv operation" / "... timed out", NCCL
+    "... timing out" or "Watchdog caught collective operation timeout". Not in Paddle."""
+    return isinstance(error, (RuntimeError, TimeoutError)) and bool(
+        _TIMEOUT_WORDS.search(str(error)))
+
+
+SET_DEVICE_FIX = (
+    "add `torch.cuda.set_device(local_rank)` (local_rank = int(os.environ['LOCAL_RANK']) "
+    "under torchrun) before `dist.init_process_group(\"nccl\")`, or pass "
+    "`device_id=torch.device(\"cuda\", local_rank)` to init_process_group")
+
+
+def device_problem(backend, param_devices, current_device):
+    """What is wrong, or None, with params on `param_devices` under a group whose backend is
+    `backend` (str, e.g. "nccl", "gloo", "cpu:gloo,cuda:nccl") while this process's current
+    CUDA device is `current_device` (int index, None if no CUDA). NCCL runs every collective
+    on the current device, so a CUDA param on another one means `torch.cuda.set_device` was
+    not called: every rank would then use cuda:0 (NCCL refuses two ranks on one GPU, or its
+    point-to-point hangs). Pure: no collective, no CUDA call. Not in Paddle, whose launcher
+    gives each process its GPU (FLAGS_selected_gpus)."""
+    if _cuda_backend(backend) != "nccl":
+        return None
+    others = sorted({str(d) for d in param_devices
+                     if torch.device(d).type == "cuda"
+                     and (torch.device(d).index or 0) != current_device})
+    if not others:
+        return None
+    return (f"params on {', '.join(others)} but the current CUDA device is "
+            f"cuda:{current_device} (torch.cuda.current_device()), where NCCL runs this "
+            f"group's collectives")
+
+
+_DEVICE_CHECKS = {}  # ranks -> how many device agreements this process ran over them
+
+
+def agree_on_devices(problem, groups, what):
+    """Raise ValueError on every rank of `groups` if `problem` (a `device_problem` text or
+    None) is set on any of them, naming the ranks; the fix is `SET_DEVICE_FIX`. Beyond
+    Paddle. The ranks meet in the default group's store, not in a collective: a collective
+    would need the very device that is wrong. Each rank must call it as often, in the same
+    order (as for a collective); it waits up to the default group's timeout for the others.
+    """
+    store = _group_store()
+    if store is None:
+        if problem:
+            raise ValueError(f"{what}: {problem}; {SET_DEVICE_FIX}")
+        return
+    ranks = tuple(sorted({r for g in groups for r in dist.get_process_group_ranks(
+        g or dist.group.WORLD)}))
+    count = _DEVICE_CHECKS[ranks] = _DEVICE_CHECKS.get(ranks, 0) + 1
+    prefix = f"relgrad/devices/{','.join(map(str, ranks))}/{count}/"
+    store.set(prefix + str(dist.get_rank()), problem or "")
+    keys = [prefix + str(r) for r in ranks]
+    store.wait(keys, group_timeout(None))
+    seen = {r: store.get(k).decode() for r, k in zip(ranks, keys)}
+    bad = {r: text for r, text in seen.items() if text}
+    if bad:
+        rank, text = next(iter(bad.items()))
+        raise ValueError(f"{what}: on {len(bad)} rank(s) {sorted(bad)}, e.g. global rank "
+                         f"{rank}: {text}; {SET_DEVICE_FIX}")
+
+
+def check_current_device(params, groups, what):
+    """`agree_on_devices` for `params` under `groups`, if a group's CUDA backend is NCCL
+    (a rank-independent fact: on gloo nothing is exchanged). Raises ValueError on every rank
+    of `groups` as `agree_on_devices` says; `what` names the caller. Not in Paddle."""
+    if not any(_cuda_backend(dist.get_backend(g)) == "nccl" for g in groups):
+        return
+    current = torch.cuda.current_device() if torch.cuda.is_available() else None
+    agree_on_devices(device_problem("nccl", [p.device for p in params], current), groups, what)
+
+
+def _cuda_backend(backend):
+    """The backend name for CUDA tensors in `backend` ("nccl", or "cpu:gloo,cuda:nccl")."""
+    backend = str(backend)
+    if ":" in backend:
+        return dict(b.split(":", 1) for b in backend.split(",")).get("cuda", "")
+    return backend
+
+
+def _group_store():
+    """The default group's store (a side channel beside the collectives), or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 (private API)
+        return None

@@ -32,15 +32,14 @@ Training on GPU Clusters Using Megatron-LM" (2021); Harlap et al., "PipeDream" (
 import os
 import weakref
 from collections import defaultdict
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, assign_group_by_size,
-                         bw_hook_func, global_rank, main_grad_or_grad as _grad,
-                         share_comm_queue)
+                         bw_hook_func, check_current_device, global_rank, group_timeout,
+                         is_timeout_error, main_grad_or_grad as _grad, share_comm_queue)
 from sharding import _check_grad_clip, _extras, agreed_all_reduce_mean, norm_groups
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
@@ -61,7 +60,7 @@ _INCOMPLETE_MSG = (
     "acc times, and its bucket's collective would not be issued). Use every param in each "
     "micro-batch, or freeze (requires_grad=False) the ones you leave out before building "
     "the pipeline. The grads of this step are not usable: the step is not taken")
-_ABANDONED = []  # p2p works that timed out: kept, since gloo may still write their buffers
+_ABANDONED = []  # p2p works that timed out: kept, since the backend may still fill their buffers
 
 
 class PipelineStageTimeout(TimeoutError):
@@ -69,13 +68,9 @@ class PipelineStageTimeout(TimeoutError):
 
 
 def _group_timeout(group):
-    """The timeout `group` was created with (gloo / nccl options), else torch's default."""
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-        return backend.options._timeout
-    except Exception:  # noqa: BLE001 (private API; fall back to the documented default)
-        return dist.default_pg_timeout if hasattr(dist, "default_pg_timeout") \
-            else timedelta(minutes=30)
+    """The timeout `group` was created with, for the device its backend serves (gloo / nccl
+    options), else torch's default for that backend (`comm_buffer.group_timeout`)."""
+    return group_timeout(group)
 
 
 def _default_store():
@@ -149,7 +144,8 @@ class PipelineParallel(nn.Module):
     Raises ValueError for boundaries that do not cover the layers, an overlap config that
     breaks Paddle's rules (dp_comm_overlap needs dp > 1 and pp > 1, sharding_comm_overlap
     needs sharding > 1 and pp > 1, not both), or pp_configs.num_virtual_pipeline_stages > 1
-    (that is `PipelineParallelWithInterleave`).
+    (that is `PipelineParallelWithInterleave`); under nccl, on every stage, for params on a
+    GPU other than the current one (`comm_buffer.check_current_device`: no set_device).
     """
 
     def __init__(self, layers, hcg, strategy, loss_fn, seg_boundaries=None,
@@ -186,6 +182,10 @@ class PipelineParallel(nn.Module):
         # its ranks (torch's rule for P2POp); a tiny all-reduce does that on every backend.
         # It also sums one random number per rank into an id this pipe's stages share: the
         # key under which a failing stage leaves its error for the others (`_wait_p2p`).
+        # Beyond Paddle: under nccl, params on a GPU other than the current one (no
+        # torch.cuda.set_device) raise here on every stage, before the first collective.
+        check_current_device(list(self._layers.parameters()),
+                             [hcg.get_pipe_parallel_group()], "PipelineParallel")
         uid = torch.tensor([int.from_bytes(os.urandom(5), "little")], device=self._device())
         dist.all_reduce(uid, group=hcg.get_pipe_parallel_group())
         self._uid, self._calls = int(uid), 0
@@ -416,11 +416,11 @@ class PipelineParallel(nn.Module):
             store.set(f"relgrad/pipe/refused{dist.get_rank()}",
                       f"{self._calls}|{type(refused).__name__}: {refused}")
         self._store_set(f"at{self.stage_id}", str(self._calls))
-        try:
+        try:  # waited with each group's timeout: on nccl a plain all_reduce does not block
             for group in self._agree_groups():
-                dist.all_reduce(flags, group=group)
+                dist.all_reduce(flags, group=group, async_op=True).wait(_group_timeout(group))
         except RuntimeError as error:
-            if "imed out" not in str(error):
+            if not is_timeout_error(error):
                 raise
             absent = [s for s in range(self.num_stages)
                       if self._store_get(f"at{s}") != str(self._calls)]
@@ -790,8 +790,8 @@ class PipelineParallel(nn.Module):
         ops, got_prev, got_next = [], None, None
         if send_next is not None:
             if self._meta_sent is None:  # shape and dtype of activations, once per batch
-                meta = self._meta(send_next)
-                self._wait_p2p([dist.isend(meta, dst=nxt, group=group)], [nxt])
+                meta = self._meta(send_next)  # batched (one op), as all p2p here: see _p2p_one
+                self._p2p_one(dist.isend, meta, nxt, group)
                 self._meta_sent = True
             ops.append(dist.P2POp(dist.isend, send_next.detach().contiguous(), nxt, group))
         if send_prev is not None and not first:
@@ -799,7 +799,7 @@ class PipelineParallel(nn.Module):
         if recv_prev and not first:
             if self._meta_recv is None:
                 meta = torch.zeros(_META_LEN, dtype=torch.long, device=self._device())
-                self._wait_p2p([dist.irecv(meta, src=prev, group=group)], [prev])
+                self._p2p_one(dist.irecv, meta, prev, group)
                 code, ndim = int(meta[0]), int(meta[1])
                 self._meta_recv = (_DTYPES[code], [int(d) for d in meta[2 : 2 + ndim]])
             dtype, shape = self._meta_recv
@@ -816,28 +816,32 @@ class PipelineParallel(nn.Module):
             return got_prev.requires_grad_(got_prev.is_floating_point())
         return got_next
 
+    def _p2p_one(self, op, tensor, peer, group):
+        """One isend / irecv of `tensor` with global rank `peer`, sent through
+        `batch_isend_irecv` like every other message: on nccl an unbatched isend / irecv
+        opens a 2-rank communicator of its own per neighbour pair (GPU memory that
+        `torch.cuda.memory_allocated` does not count); a batch uses the group's."""
+        self._wait_p2p(dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)]), [peer])
+
     def _wait_p2p(self, works, peers):
         """Wait for p2p `works` (one per op, to or from the global ranks `peers`), each
-        within the pipe group's timeout (gloo waits for ever by default). Beyond Paddle.
+        within the pipe group's timeout, on gloo as on nccl (gloo waits for ever by default;
+        nccl's `wait()` does not block the host unless given a timeout, and its watchdog
+        would end the process instead of raising). Beyond Paddle.
 
         Raises PipelineStageTimeout (a TimeoutError) naming the peer's stage and, if that
         stage (or another) failed in this train_batch call, its error. The timed-out op is
-        left pending (gloo cannot cancel it): the pipeline is not usable afterwards.
+        left pending (it cannot be cancelled): the pipeline is not usable afterwards.
         """
-        group = self._hcg.get_pipe_parallel_group()
-        if dist.get_backend(group) != "gloo":  # nccl: its watchdog enforces the timeout
-            for work in works:
-                work.wait()
-            return
         timeout = self._p2p_timeout
         peers = peers if len(peers) == len(works) else [None] * len(works)
         for work, peer in zip(works, peers):
             try:
                 work.wait(timeout)
             except RuntimeError as error:
-                if "imed out" not in str(error):
+                if not is_timeout_error(error):
                     raise
-                _ABANDONED.append(works)  # gloo must not free a buffer it may still fill
+                _ABANDONED.append(works)  # the backend must not free a buffer it may fill
                 stages = [s for s in range(self.num_stages)
                           if peer in (None, self._hcg.get_rank_from_stage(s))]
                 raise self._stage_timeout(f"stage(s) {stages} did not answer a p2p message",

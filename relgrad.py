@@ -244,12 +244,10 @@ class HybridCommunicateGroup:
 
 
 def _default_group_timeout():
-    """The timeout the default group was initialised with (None if torch hides it)."""
-    try:
-        group = dist.distributed_c10d._get_default_group()
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except Exception:  # noqa: BLE001 (private API: new_group then uses its own default)
-        return None
+    """The timeout the default group was initialised with, read for the device its backend
+    serves (an NCCL-only group has no CPU backend), else torch's default for that backend."""
+    from comm_buffer import group_timeout
+    return group_timeout(None)
 
 
 # ---- launcher ----
@@ -382,7 +380,8 @@ def parse_args(argv=None):
     p.add_argument("--data", metavar="FILE",
                    help="a text file to train on (default: this repo's sources and README)")
     p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds before the local processes are killed")
+                   help="seconds before the local processes are killed; under torchrun, "
+                        "the process group's timeout (each collective and p2p wait)")
     p.add_argument("--peers", action="store_true",
                    help="compare with torch's DDP + ZeroRedundancyOptimizer and FSDP2 instead: "
                    "sharding 2 without pipeline, 2 processes")
@@ -520,7 +519,10 @@ def main(argv=None):
             torch.cuda.set_device(local_rank)
             opts["device"] = f"cuda:{local_rank}"
         _quiet_flight_recorder()
-        dist.init_process_group(backend)
+        # --timeout bounds every collective and p2p wait (the groups inherit it)
+        device_id = torch.device(opts["device"]) if backend == "nccl" else None
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
+                                device_id=device_id)
         rank = dist.get_rank()
         result = fn(rank, dist.get_world_size(), opts)
         gathered = [None] * dist.get_world_size() if rank == 0 else None

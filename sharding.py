@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _share_param_buffer,
-                         all_reduce_mean, assign_group_by_size, bw_hook_func, global_rank,
-                         main_grad_or_grad as _grad, share_comm_queue)
+                         all_reduce_mean, assign_group_by_size, bw_hook_func,
+                         check_current_device, global_rank, main_grad_or_grad as _grad,
+                         share_comm_queue)
 
 
 # ============================================================================================
@@ -344,32 +345,39 @@ class MixPrecisionOptimizer(_Wrapper):
         self._inner_opt.add_param_group(self._master_group(param_group, param_group["params"]))
 
     @torch.no_grad()
-    def _reload_if_changed(self, t, master):
-        if master.shape != t.shape:  # a v2 slice was filled after construction
-            master.data = t.detach().float()
-        elif not torch.equal(master.to(t.dtype), t):
-            # Beyond Paddle: written behind our back (e.g. model.load_state_dict after the
-            # optimizer was built). Compared by value: `_version` misses writes through
-            # another view of the same buffer into a v2 slice rebound with `.data =`.
-            master.copy_(t)
+    def _reload_changed(self, pairs):
+        """Reload each master of `pairs` ((target, master), with a grad this step) whose
+        target no longer equals it: written behind our back (e.g. model.load_state_dict
+        after the optimizer was built). Beyond Paddle. Compared by value: `_version` misses
+        writes through another view of the same buffer into a v2 slice rebound with
+        `.data =`. One host sync per step (one batched `tolist()`), not one per param."""
+        if not pairs:
+            return
+        differs = torch.stack([(master.to(t.dtype) != t).any() for t, master in pairs]).tolist()
+        for (t, master), changed in zip(pairs, differs):
+            if changed:
+                master.copy_(t)
 
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step on every target that has a main_grad or grad (others skipped)."""
         self._check_step_args(closure)
         self.check_template()
-        bound = []
+        bound, with_grad = [], []
         for t in self._targets:
             main_grad, master = getattr(t, "main_grad", None), self._masters.get(t)
             if master is not None:
                 grad = _grad(t)
-                if grad is not None:
-                    self._reload_if_changed(t, master)
+                if grad is not None and master.shape != t.shape:  # a v2 slice filled late
+                    master.data = t.detach().float()
+                elif grad is not None:
+                    with_grad.append((t, master))
                 master.grad = None if grad is None else grad.float()  # no copy for fp32
                 bound.append(master)
             elif main_grad is not None:  # fp32 param with an fp32 main_grad
                 t.grad = main_grad
                 bound.append(t)
+        self._reload_changed(with_grad)
         self._inner_opt.step()
         for t, master in self._masters.items():
             if master.grad is not None:
@@ -1066,6 +1074,9 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         self._nranks = hcg.get_sharding_parallel_world_size()
         self._rank = hcg.get_sharding_parallel_rank()
         self._parameter_list = [p for g in optimizer.param_groups for p in g["params"]]
+        # Beyond Paddle: under nccl, params on a GPU other than the current one (no
+        # torch.cuda.set_device) raise here on every rank, before the first collective.
+        check_current_device(self._parameter_list, self._flag_groups(), type(self).__name__)
         # Setting pipeline parallelism overlap (grads then arrive reduced by the pipeline).
         self.pp_overlap = pp_config.sharding_comm_overlap
         # Seed hunk: `self.pp_release_grads = pp_config.release_gradients`. [later, PR #64517]
@@ -1300,9 +1311,11 @@ class DygraphShardingOptimizer(_Sharding):
     it, `step()` reduces grad by grad. With free_grads_in_comm, a rank drops the grads it does
     not own once they are reduced (their buffer, or the grads themselves).
     Raises ValueError for a param with no elements or an unsupported config (comm_overlap
-    with a pipeline, free_grads_in_comm without release), at `step()` (on every rank) for no
-    grad on any rank, a closure or a GradScaler, with comm_overlap for a bucket not reduced on
-    every rank or a backward pass too many, and from `add_param_group` as it says;
+    with a pipeline, free_grads_in_comm without release), under nccl (on every rank) for
+    params on a GPU other than the current one (no `torch.cuda.set_device`), at `step()` (on
+    every rank) for no grad on any rank, a closure or a GradScaler, with comm_overlap for a
+    bucket not reduced on every rank or a backward pass too many, and from `add_param_group`
+    as it says;
     RuntimeError for a second `step()` without clearing the grads in between; TypeError for a
     grad_clip of another type.
     """
@@ -1516,7 +1529,8 @@ class DygraphShardingOptimizerV2(_Sharding):
     only this rank's shard once reduced (see `FusedCommBuffer`; with hooks, during backward);
     the params' grads are dropped. Buckets hold `sharding_configs.comm_buffer_size_MB` MB
     (256 if unset) of params.
-    Raises ValueError for `clear_grad(set_to_zero=False)` with release off, at `step()` (on
+    Raises ValueError for `clear_grad(set_to_zero=False)` with release off, under nccl (on
+    every rank) for params on a GPU other than the current one (as v1), at `step()` (on
     every rank) for no grad on any rank or state changed behind its back since it was built
     (`_misuse_rules`), and with comm_overlap as v1 does; RuntimeError if `step()` finds no
     buffers or runs twice without clearing the grads in between; TypeError for a

@@ -184,8 +184,9 @@ def measure(builders, steps, batch, device, recorder, eval_batch=None, eval_ever
         ledger.begin()
         runs[name] = build(ledger, recorder, tid)
         out[name] = {"built": ledger.end(), "losses": [], "grad_norms": [], "idle": [],
-                     "counted": [], "peak": [], "peak_phase": [], "time": [],
-                     "phases": None, "eval_peak": [], "eval_idle": [], "step_trace": None}
+                     "counted": [], "peak": [], "peak_phase": [], "peak_reserved": [],
+                     "time": [], "phases": None, "eval_peak": [], "eval_idle": [],
+                     "step_trace": None}
     names = list(runs)
     for step in range(steps):
         x, y = batch(step)
@@ -211,6 +212,7 @@ def measure(builders, steps, batch, device, recorder, eval_batch=None, eval_ever
             m["time"].append((t1 - t0) / 1e9)
             m["peak"].append(peak.peak)
             m["peak_phase"].append(peak.phase)
+            m["peak_reserved"].append(peak.reserved_peak)
             m["counted"].append(run.counted_grad_bytes()
                                 if hasattr(run, "counted_grad_bytes") else None)
             if hasattr(run, "phase_bytes"):

@@ -6,6 +6,12 @@ turns). The allocator only knows the process total, so each run's share is kept 
 what the run held after its previous step; right after, the run holds the total minus that.
 Between its steps the other runs sit idle, so their bytes do not move. `live_grad_bytes` is an
 independent count of the grad storages alone, from the tensors themselves.
+
+On GPU, `torch.cuda.memory_allocated` counts the tensors' bytes; the caching allocator reserves
+more (`memory_reserved`: freed blocks kept for reuse, rounding), process-wide and not split by
+run. Neither counts what NCCL allocates itself (its communicators' channel and proxy buffers,
+per communicator: each process group, and each 2-rank pair of unbatched p2p) nor the CUDA
+context: `nvidia-smi` shows all of these, so it reads above both figures.
 """
 import ctypes
 import gc
@@ -67,7 +73,9 @@ class PeakSampler:
     the highest in-use bytes seen by a thread sampling every 0.5 ms. With a `recorder`, the CPU
     samples also go to its counter track (process-wide in-use bytes). With `phase_of` (a
     function returning the phase the run is in: "forward", "backward", "comm", "step"), the
-    CPU sampler also keeps `phase`, the phase of the peak (None on GPU or if unknown).
+    CPU sampler also keeps `phase`, the phase of the peak (None on GPU or if unknown). On GPU
+    it also keeps `reserved_peak`, the caching allocator's highest reserved bytes during the
+    block for the whole process (every run's blocks; not above the start); None on CPU.
 
     With `samples` (a list), every sample is also appended to it as `(ns since the block
     began, the run's bytes)`, the first taken as the block begins, the last as it ends (on
@@ -76,6 +84,7 @@ class PeakSampler:
 
     def __init__(self, ledger, recorder=None, phase_of=None, samples=None):
         self.ledger, self.recorder, self.peak = ledger, recorder, None
+        self.reserved_peak = None
         self.phase_of, self.phase = phase_of, None
         self.samples = samples
 
@@ -113,6 +122,7 @@ class PeakSampler:
         device, others = self.ledger.device, self.ledger._others
         if device.type == "cuda":
             self._total = torch.cuda.max_memory_allocated(device)
+            self.reserved_peak = torch.cuda.max_memory_reserved(device)
         elif self._total is not None:
             self._stop.set()
             self._thread.join()

@@ -18,6 +18,11 @@ lists marked "per rank" are indexed by global rank):
       idle_grad_bytes_counted  per rank: our count of grad storages between steps (max after
                                step 1)
       peak_bytes               per rank: highest in-use bytes during a step, above the start
+      peak_reserved_bytes      per rank, GPU only (null on CPU): the CUDA caching allocator's
+                               highest reserved bytes during a step, for the whole process
+                               (all modes' runs share its pools; not above the start).
+                               Neither this nor the allocated figures count NCCL's own
+                               buffers or the CUDA context, which nvidia-smi adds
       peak_phase               per rank: the phase that peak fell in ("forward", "backward",
                                "comm": waiting for the grad collectives, "step": the optimizer
                                step and release; null where unknown, e.g. on GPU)
@@ -141,6 +146,7 @@ def summarize(results, opts):
             "idle_bytes_allocator": [_median(m["idle"][after1]) for m in ms],
             "idle_grad_bytes_counted": [max(m["counted"][after1]) for m in ms],
             "peak_bytes": [_max(m["peak"]) for m in ms],
+            "peak_reserved_bytes": [_max(m["peak_reserved"]) for m in ms],
             "peak_phase": [_phase_of_max(m["peak"], m["peak_phase"]) for m in ms],
             "phase_bytes": [m["phases"] for m in ms],
             "eval_peak_bytes": [_max(m["eval_peak"]) if m["eval_peak"] else None for m in ms],
@@ -161,6 +167,20 @@ def summarize(results, opts):
     return {"config": effective_config(opts, ranks), "stages": [r["stage"] for r in ranks],
             "phases": list(PHASES), "baseline": base, "modes": modes,
             "bitwise_equal": all(r["equal"][mode] for r in ranks for mode in opts["modes"])}
+
+
+def _print_reserved(summary, names):
+    """On GPU: the caching allocator's reserved peak per rank, and what no figure counts."""
+    modes = summary["modes"]
+    rows = [[modes[m]["peak_reserved_bytes"][r] for m in names]
+            for r in range(len(summary["stages"]))]
+    if all(None in row for row in rows):
+        return  # CPU: no such figure
+    print("CUDA reserved (the caching allocator's highest during a step, whole process, KiB): "
+          + "; ".join(f"rank {r}: " + "/".join(kib(v) for v in row)
+                      for r, row in enumerate(rows)) + f" ({'/'.join(names)})")
+    print("neither allocated nor reserved bytes count NCCL's own buffers (per communicator) "
+          "or the CUDA context; nvidia-smi shows them too")
 
 
 def _phase_of_max(peaks, phases):
@@ -202,6 +222,7 @@ def print_report(summary, steps=True):
     print("phase of each run's peak: " + "; ".join(
         f"rank {r}: " + "/".join(str(modes[m]["peak_phase"][r]) for m in names)
         for r in range(len(summary["stages"]))) + f" ({'/'.join(names)})")
+    _print_reserved(summary, names)
     _print_phases(summary, names)
     _print_times(modes, base, others)
     first = modes[base]["losses"]

@@ -284,7 +284,7 @@ class PipelineParallelWithInterleave(PipelineParallel):
         previous rank; `recv_prev`: the virtual stage whose input comes in, or None;
         `recv_next`: the output whose grad comes back (same shape), or None.
         Differs from `PipelineParallel._p2p`: neighbours wrap round, and a meta message goes
-        once per batch and boundary (chunk), by a non-blocking send, so two ranks that send
+        once per batch and boundary (chunk), by a non-blocking batched send, so two ranks that send
         each other their first activation in the same exchange (pp 2) do not both wait.
         (Paddle's helper caches one shape for every message, `p2p_cache_shape`; one per
         boundary lets chunk outputs differ in shape.)
@@ -297,11 +297,13 @@ class PipelineParallelWithInterleave(PipelineParallel):
         meta_works, ops, got_prev, got_next = [], [], None, None
         if send_next is not None and send_chunk not in self._meta_sent:
             meta = self._meta(send_next)  # held here until its send is done
-            meta_works.append((meta, dist.isend(meta, dst=nxt, group=group)))
+            # batched like every p2p here (see PipelineParallel._p2p_one), and not waited yet
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, meta, nxt, group)])
+            meta_works += [(meta, work) for work in works]
             self._meta_sent.add(send_chunk)
         if recv_prev is not None and recv_prev not in self._meta_recv:
             meta = torch.zeros(_META_LEN, dtype=torch.long, device=self._device())
-            self._wait_p2p([dist.irecv(meta, src=prev, group=group)], [prev])
+            self._p2p_one(dist.irecv, meta, prev, group)
             code, ndim = int(meta[0]), int(meta[1])
             self._meta_recv[recv_prev] = (_DTYPES[code], [int(d) for d in meta[2 : 2 + ndim]])
         if send_next is not None:

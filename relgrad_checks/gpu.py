@@ -1,0 +1,154 @@
+"""What the GPU tests run (test_all.py, skipped without CUDA): release off vs on measured with
+`torch.cuda.memory_allocated`, for the data-parallel fused buffer and sharding v2.
+
+    python -m relgrad_checks.gpu one-rank   # 1 process, a 1-rank nccl group on cuda:0
+    python -m relgrad_checks.gpu shared     # 2 processes on one GPU over gloo, CUDA tensors
+
+Each prints one JSON object: per kind ("dp", "v2") and per rank, for release off and on, the
+bytes held between steps and the eval peak (above what was in use before the run was built),
+the buffers' bytes, and whether the final params are bitwise equal. NCCL cannot put two
+ranks on one GPU (it refuses the communicator), hence gloo for the 2-process case.
+`--cpu` runs the same code on CPU over gloo (its bytes are the malloc heap's: not asserted).
+"""
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from comm_buffer import HOOK_ACTION, FusedCommBuffer, assign_group_by_size, bw_hook_func
+from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, launch
+from relgrad_demo.memory import allocator_in_use_bytes
+from sharding import DygraphShardingOptimizerV2
+
+ACC, STEPS, WIDTH = 2, 3, 512  # micro-batches per step, steps, hidden width (~1 MiB of grads)
+
+
+def _model(device):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, WIDTH), torch.nn.GELU(),
+                               torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(),
+                               torch.nn.Linear(WIDTH, 64)).to(device)
+
+
+def _batch(step, rows, device, rank, world):
+    gen = torch.Generator().manual_seed(step)
+    x, y = torch.randn(world * rows, 64, generator=gen), torch.randn(world * rows, 64,
+                                                                     generator=gen)
+    return x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_block(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device):
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def _train(kind, release, device):
+    """Build one run of `kind` ("dp": FusedCommBuffer all-reduce; "v2": sharding v2 with its
+    own overlap) on every rank, train STEPS steps; measure bytes between steps and an eval
+    peak after each step, above what was in use before the build."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _sync(device)
+    start = allocator_in_use_bytes(device)
+    model = _model(device)
+    if kind == "dp":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        buffers = [FusedCommBuffer(i, bucket, None, ACC, act=HOOK_ACTION.ALL_REDUCE,
+                                   release_grads=release)
+                   for i, bucket in assign_group_by_size(list(model.parameters())).items()]
+        for buffer in buffers:
+            for p in buffer.params:
+                p.register_post_accumulate_grad_hook(bw_hook_func(buffer, p))
+    else:
+        strategy = HybridStrategy(sharding_degree=world, sharding_configs=DygraphShardingConfig(
+            split_param=True, comm_overlap=True, accumulate_steps=ACC,
+            release_gradients=release))
+        opt = DygraphShardingOptimizerV2(torch.optim.Adam(model.parameters(), lr=1e-3),
+                                         HybridCommunicateGroup(strategy), strategy)
+        buffers = opt.comm_buffers
+    between, eval_peak = [], []
+    for step in range(STEPS):
+        x, y = _batch(step, 8 * ACC, device, rank, world)
+        for xm, ym in zip(x.chunk(ACC), y.chunk(ACC)):
+            (F.mse_loss(model(xm), ym) / ACC).backward()
+        if kind == "dp":
+            for buffer in buffers:
+                buffer.scale_grads()
+            opt.step()
+            opt.zero_grad(set_to_none=release)  # off: the grads stay views of the buffer
+            for buffer in buffers if release else ():
+                buffer._clear_grad_storage()
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=release)  # on: frees the buffers until the next grad
+        _sync(device)
+        between.append(allocator_in_use_bytes(device) - start)
+        ex, _ = _batch(10**6 + step, 64, device, rank, world)
+        _peak_block(device)
+        with torch.no_grad():
+            float(model(ex).square().mean())
+        peak = _peak(device)
+        eval_peak.append(None if peak is None else peak - start)
+    nbytes = sum(b.buffer_size * torch.empty((), dtype=b._dtype).element_size() for b in buffers)
+    params = [p.detach().cpu() for p in model.parameters()]
+    return {"between": between, "eval_peak": eval_peak, "buffer_bytes": nbytes,
+            "buckets": len(buffers)}, params
+
+
+def _off_and_on(device):
+    """Per kind, after one warm-up run: release off, then on (one run alive at a time), their
+    measures and whether their final params are bitwise equal."""
+    out = {}
+    for kind in ("dp", "v2"):
+        _train(kind, True, device)  # warm-up: cuBLAS workspaces, kernels, the allocator
+        runs, params = {}, {}
+        for release in (False, True):  # one run at a time: the other's bytes are gone
+            runs[release], params[release] = _train(kind, release, device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        assert len(params[False]) == len(params[True]) > 0
+        out[kind] = {"off": runs[False], "on": runs[True], "equal": all(
+            torch.equal(a, b) for a, b in zip(params[False], params[True]))}
+    return out
+
+
+def _shared_rank(rank, world, device):
+    """One of the 2 gloo ranks: both on `device` (the same GPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return _off_and_on(device)
+
+
+def main(argv):
+    """`one-rank` or `shared` [--cpu]: run, print the JSON list of per-rank results."""
+    what, cpu = argv[0], "--cpu" in argv
+    device = "cpu" if cpu else "cuda:0"
+    if what == "shared":  # 2 gloo ranks (relgrad.launch), both on cuda:0
+        print(json.dumps(launch(_shared_rank, 2, (device,), timeout=110)))
+        return 0
+    if not cpu:
+        torch.cuda.set_device(0)
+    with tempfile.TemporaryDirectory() as folder:  # a 1-rank group: nccl on cuda:0
+        dist.init_process_group("gloo" if cpu else "nccl", rank=0, world_size=1,
+                                init_method="file://" + os.path.join(folder, "store"))
+        result = _off_and_on(torch.device(device))
+        dist.destroy_process_group()
+    print(json.dumps([result]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
