@@ -34,17 +34,19 @@ from relgrad_checks import (checkpoints, clipping, contract, demo_peers, failure
                             interleave, loops, pipe, recipes, sharding_overlap, zero)
 from relgrad_demo.memory import live_grad_bytes
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
+import relgrad
 from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch)
 
 # Seconds a scenario may run on its ranks; a hang fails the test instead of blocking the suite.
 TIMEOUT = float(os.environ.get("RELGRAD_TEST_TIMEOUT", 120))
 
-# The pool's ranks are forked from a server process that imports these once (torch ~1 s of CPU
-# per process, and torch._dynamo, which torch.optim imports at the first optimizer, ~1 s more):
-# only modules found wherever pytest runs, so a rank imports this repo's files from its own
-# sys.path, never another checkout's.
-_RANK_CONTEXT = mp.get_context("forkserver")
-_RANK_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+# The pool's ranks start as the demo's launcher starts its own: forked from a server process
+# that imported torch and torch._dynamo once (~2 s of CPU per process otherwise), spawned where
+# there is no forkserver. The server preloads only installed packages, so a rank imports this
+# repo's files from its own sys.path, never another checkout's.
+_RANK_CONTEXT = mp.get_context(relgrad._START_METHOD)
+if relgrad._START_METHOD == "forkserver":
+    _RANK_CONTEXT.set_forkserver_preload(relgrad._PRELOAD)
 
 
 # ---------------------------------------------------------------- the pool of ranks
@@ -960,17 +962,26 @@ def test_walkthrough_flags(monkeypatch, capsys):
         assert message in capsys.readouterr().err
 
 
-def test_cli_errors():
+def _no_launch(*args, **kwargs):
+    raise AssertionError("ranks were started for a command line that should have failed")
+
+
+def test_cli_errors(capsys, monkeypatch):
     """Check bad flags fail before any rank starts, naming the flag and the fix."""
+    import relgrad
+    # in this process: `python relgrad.py` is `sys.exit(main())`, and any rank it started
+    # would go through launch, which raises here
+    monkeypatch.setattr(relgrad, "launch", _no_launch)
     for args, message in ((["--pp", "0"], "--pp must be >= 1, got 0"),
                           (["--d-model", "30"], "multiple of the 4 attention heads"),
                           (["--data", "/no/such/file"], "cannot read"),
                           (["--comm-buffer-mb", "0"], "--comm-buffer-mb must be >= 1"),
                           (["--eval-every", "-1"], "--eval-every must be >= 0"),
                           (["--pp", "3", "--sharding", "1", "--layers", "0"], "--layers must")):
-        done = subprocess.run([sys.executable, "relgrad.py", *args], capture_output=True,
-                              text=True, timeout=60, cwd=str(Path(__file__).parent))
-        assert done.returncode == 2 and message in done.stderr, done.stderr
+        with pytest.raises(SystemExit) as done:
+            relgrad.main(args)
+        stderr = capsys.readouterr().err
+        assert done.value.code == 2 and message in stderr, (args, stderr)
 
 
 def test_live_grad_bytes():
@@ -1344,7 +1355,9 @@ def test_cli_timeout_one_line(capsys):
     """Check a --timeout too short for the run ends in one line and status 1, not a
     traceback."""
     import relgrad
-    assert relgrad.main(["--timeout", "1", "--pp", "1", "--steps", "1", "--layers", "1",
+    # 10000 steps: the ranks start in well under 1 s and this tiny run would end within 1 s
+    # with a few steps; 10000 take far longer, so only the timeout ends them
+    assert relgrad.main(["--timeout", "1", "--pp", "1", "--steps", "10000", "--layers", "1",
                          "--d-model", "16", "--block", "8"]) == 1
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "still running after 1 s" in lines[0], lines
