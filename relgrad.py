@@ -254,10 +254,11 @@ def _default_group_timeout():
 
 # ---- launcher ----
 
-# Ranks fork from a server process that imports torch, and torch._dynamo (which torch.optim
-# imports at the first optimizer built), once for all of them: each rank would otherwise spend
-# ~2 s of CPU importing them. Spawned (each importing them) where there is no forkserver.
-_START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+# On Linux, ranks fork from a server process that imports torch, and torch._dynamo (which
+# torch.optim imports at the first optimizer built), once for all of them: each rank would
+# otherwise spend ~2 s of CPU importing them. Elsewhere they are spawned, each importing them
+# (Windows has no fork; on macOS a fork after system frameworks loaded is not safe).
+_START_METHOD = "forkserver" if sys.platform.startswith("linux") else "spawn"
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 

@@ -41,8 +41,8 @@ from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch)
 TIMEOUT = float(os.environ.get("RELGRAD_TEST_TIMEOUT", 120))
 
 # The pool's ranks start as the demo's launcher starts its own: forked from a server process
-# that imported torch and torch._dynamo once (~2 s of CPU per process otherwise), spawned where
-# there is no forkserver. The server preloads only installed packages, so a rank imports this
+# that imported torch and torch._dynamo once (~2 s of CPU per process otherwise; spawned off
+# Linux). The server preloads only installed packages, so a rank imports this
 # repo's files from its own sys.path, never another checkout's.
 _RANK_CONTEXT = mp.get_context(relgrad._START_METHOD)
 if relgrad._START_METHOD == "forkserver":

@@ -8,10 +8,10 @@ a port the OS picked); the references below train the same model on the whole ba
 process, written from the recipe's description, not from its code.
 
 Each rank is its own process, started in its recipe's folder as `python -E -s recipe.py` would
-be: sys.path[0] is that folder, nothing of this repo is imported before the snippet runs. The
-ranks are forked from one launcher process per session (this file run as a script, `_serve`)
-that imported torch and torch._dynamo once; each rank would otherwise spend ~2 s of CPU
-importing them.
+be: sys.path[0] is that folder, nothing of this repo is imported before the snippet runs. On
+Linux the ranks are forked from one launcher process per session (this file run as a script,
+`_serve`) that imported torch and torch._dynamo once; each rank would otherwise spend ~2 s of
+CPU importing them. Elsewhere each rank is started as `python -E -s recipe.py`.
 """
 import atexit
 import json
@@ -68,13 +68,33 @@ def run_recipe(folder, files, source, world, timeout=90, save=True):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "RELGRAD"))}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                WORLD_SIZE=str(world), OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="0")
-    done = _launcher().run({"folder": str(folder), "world": world, "timeout": timeout,
-                            "env": env})
-    codes, outputs = done["codes"], done["outputs"]
+    if sys.platform.startswith("linux"):
+        done = _launcher().run({"folder": str(folder), "world": world, "timeout": timeout,
+                                "env": env})
+        codes, outputs = done["codes"], done["outputs"]
+    else:  # no fork (Windows), or not a safe one (macOS): one fresh process per rank
+        codes, outputs = _run_spawned(folder, world, timeout, env)
     params = None
     if save and all(code == 0 for code in codes):
         params = [torch.load(folder / f"params_rank{r}.pt") for r in range(world)]
     return codes, outputs, params
+
+
+def _run_spawned(folder, world, timeout, env):
+    """(returncodes, outputs) of `python -E -s recipe.py` in `folder` on `world` ranks."""
+    procs = [subprocess.Popen([sys.executable, "-E", "-s", "recipe.py"], cwd=folder,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    deadline, outputs = time.monotonic() + timeout, []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return [proc.returncode for proc in procs], outputs
 
 
 class _Launcher:
