@@ -2,8 +2,10 @@
 
 One test per scenario. What each rank runs lives in `relgrad_checks/` (one module per concern);
 the tests here say what is checked and on how many ranks. Multi-rank scenarios run on a pool of
-gloo ranks spawned once per world size and kept for the session (`ranks(world)`): spawning a
-rank costs seconds (torch import), running a scenario on a live one costs little. A rank that
+gloo ranks started once per world size and kept for the session (`ranks(world)`): a fresh
+process costs seconds (torch import), running a scenario on a live rank costs little. Ranks are
+forked from a forkserver that imported torch once, so a pool (re)built costs a fraction of a
+second. A rank that
 raises, or a scenario that outlives its timeout, fails its test and kills the whole pool, which
 is rebuilt for the next test, so no test inherits a rank stuck in a collective. Each scenario
 asserts against something independent: a per-parameter collective done by hand, one process
@@ -35,10 +37,19 @@ from relgrad_checks import (checkpoints, clipping, contract, demo_peers, drift, 
                             zero)
 from relgrad_demo.memory import live_grad_bytes
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
+import relgrad
 from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch)
 
 # Seconds a scenario may run on its ranks; a hang fails the test instead of blocking the suite.
 TIMEOUT = float(os.environ.get("RELGRAD_TEST_TIMEOUT", 120))
+
+# The pool's ranks start as the demo's launcher starts its own: forked from a server process
+# that imported torch and torch._dynamo once (~2 s of CPU per process otherwise; spawned off
+# Linux). The server preloads only installed packages, so a rank imports this
+# repo's files from its own sys.path, never another checkout's.
+_RANK_CONTEXT = mp.get_context(relgrad._START_METHOD)
+if relgrad._START_METHOD == "forkserver":
+    _RANK_CONTEXT.set_forkserver_preload(relgrad._PRELOAD)
 
 
 # ---------------------------------------------------------------- the pool of ranks
@@ -76,7 +87,7 @@ class RankPool:
 
     def __init__(self, world):
         self.world, self.closed = world, False
-        ctx = mp.get_context("spawn")
+        ctx = _RANK_CONTEXT
         self._store = dist.TCPStore("127.0.0.1", 0, world, is_master=True,
                                     wait_for_workers=False)
         self._inboxes = [ctx.Queue() for _ in range(world)]
@@ -167,8 +178,8 @@ def _hang(rank, world):
 def test_pool_hang_fails_on_timeout(ranks):
     """Check a rank stuck waiting for a peer fails the test at the timeout instead of hanging."""
     start = time.monotonic()
-    with pytest.raises(RankFailed, match="still running after 5 s"):
-        ranks(2).run(_hang, timeout=5)
+    with pytest.raises(RankFailed, match="still running after 2 s"):
+        ranks(2).run(_hang, timeout=2)  # the ranks are live: rank 0 is in recv well before 2 s
     assert time.monotonic() - start < 20
 
 
@@ -183,11 +194,14 @@ def test_failing_rank_ends_all():
 def test_hang_fails_on_timeout():
     """Check the demo's launcher: a rank stuck waiting for a live peer fails at the timeout."""
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match="2 ranks of _hanging_worker still running after 8 s; "
+    with pytest.raises(TimeoutError, match="2 ranks of _hanging_worker still running after 3 s; "
                                            "killed them all"):
-        launch(pipe._hanging_worker, 2, timeout=8)  # the peer lives 60 s: only the timeout ends it
+        # the peer lives 60 s: only the timeout ends it; 3 s: the ranks fork from the launcher's
+        # forkserver in a fraction of a second (its first start, importing torch, takes ~2 s),
+        # so rank 0 waits for its peer for most of the 3 s
+        launch(pipe._hanging_worker, 2, timeout=3)
     elapsed = time.monotonic() - start
-    assert 8 <= elapsed < 40, elapsed
+    assert 3 <= elapsed < 40, elapsed
 
 
 # ---------------------------------------------------------------- comm_buffer.py
@@ -998,17 +1012,26 @@ def test_walkthrough_flags(monkeypatch, capsys):
         assert message in capsys.readouterr().err
 
 
-def test_cli_errors():
+def _no_launch(*args, **kwargs):
+    raise AssertionError("ranks were started for a command line that should have failed")
+
+
+def test_cli_errors(capsys, monkeypatch):
     """Check bad flags fail before any rank starts, naming the flag and the fix."""
+    import relgrad
+    # in this process: `python relgrad.py` is `sys.exit(main())`, and any rank it started
+    # would go through launch, which raises here
+    monkeypatch.setattr(relgrad, "launch", _no_launch)
     for args, message in ((["--pp", "0"], "--pp must be >= 1, got 0"),
                           (["--d-model", "30"], "multiple of the 4 attention heads"),
                           (["--data", "/no/such/file"], "cannot read"),
                           (["--comm-buffer-mb", "0"], "--comm-buffer-mb must be >= 1"),
                           (["--eval-every", "-1"], "--eval-every must be >= 0"),
                           (["--pp", "3", "--sharding", "1", "--layers", "0"], "--layers must")):
-        done = subprocess.run([sys.executable, "relgrad.py", *args], capture_output=True,
-                              text=True, timeout=60, cwd=str(Path(__file__).parent))
-        assert done.returncode == 2 and message in done.stderr, done.stderr
+        with pytest.raises(SystemExit) as done:
+            relgrad.main(args)
+        stderr = capsys.readouterr().err
+        assert done.value.code == 2 and message in stderr, (args, stderr)
 
 
 def test_live_grad_bytes():
@@ -1394,18 +1417,20 @@ def test_failure_moved_grad_on_one_stage(ranks):
 def test_failure_stage_raises_mid_schedule(ranks):
     """Check a loss that raises on the last stage mid-schedule fails the other stage within
     the pipe group's timeout, naming the failed stage and its error."""
+    # a 2 s pipe-group timeout: the groups connect when built, so the healthy p2p of
+    # micro-batch 0 is done in milliseconds; only the wait for the failed stage reaches it
     (last, _, _), (first, spent, is_timeout) = ranks(2).run(
-        failures.stage_fails_mid_schedule, 3, timeout=60)[::-1]
+        failures.stage_fails_mid_schedule, 2, timeout=60)[::-1]
     assert last == ("RuntimeError", "injected loss failure on the last stage")
     assert first[0] == "PipelineStageTimeout" and is_timeout
     assert "stage 1 (global rank 1) failed with RuntimeError: injected loss" in first[1]
-    assert 2.5 < spent < 30
+    assert 1.6 < spent < 30
 
 
 def test_failure_stage_never_arrives(ranks):
     """Check a stage that never calls train_batch fails the other one at the group timeout,
     named, instead of leaving it waiting."""
-    first, last = ranks(2).run(failures.stage_never_arrives, 3, timeout=60)
+    first, last = ranks(2).run(failures.stage_never_arrives, 2, timeout=60)  # 2 s: as above
     assert last is None
     assert first[0] == "PipelineStageTimeout", first
     assert "stage(s) [1] of the pipe (global rank(s) [1]) did not reach" in first[1]
@@ -1548,7 +1573,9 @@ def test_cli_timeout_one_line(capsys):
     """Check a --timeout too short for the run ends in one line and status 1, not a
     traceback."""
     import relgrad
-    assert relgrad.main(["--timeout", "1", "--pp", "1", "--steps", "1", "--layers", "1",
+    # 10000 steps: the ranks start in well under 1 s and this tiny run would end within 1 s
+    # with a few steps; 10000 take far longer, so only the timeout ends them
+    assert relgrad.main(["--timeout", "1", "--pp", "1", "--steps", "10000", "--layers", "1",
                          "--d-model", "16", "--block", "8"]) == 1
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "still running after 1 s" in lines[0], lines

@@ -7,14 +7,27 @@ docs/*.md (`fenced_python_blocks()` lists every ```python block, tagged or not);
 rank's params, and starts the ranks as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1,
 a port the OS picked); the references below train the same model on the whole batch in one
 process, written from the recipe's description, not from its code.
+
+Each rank is its own process, started in its recipe's folder as `python -E -s recipe.py` would
+be: sys.path[0] is that folder, nothing of this repo is imported before the snippet runs. On
+Linux the ranks are forked from one launcher process per session (this file run as a script,
+`_serve`) that imported torch and torch._dynamo once; each rank would otherwise spend ~2 s of
+CPU importing them. Elsewhere each rank is started as `python -E -s recipe.py`.
 """
+import atexit
+import json
 import os
 import re
+import runpy
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -71,7 +84,8 @@ def _free_port():
 def run_recipe(folder, files, source, world, timeout=90, save=True):
     """Copy `files` (files or folders of the repo) into `folder`, write `source` (plus the
     save line) as recipe.py, run it on `world` ranks; return (returncodes, outputs, params by
-    rank or None). Kills every rank after `timeout` seconds."""
+    rank or None). Kills every rank after `timeout` seconds (its returncode is then None).
+    Raises RuntimeError if the launcher process itself failed, with its error output."""
     folder = Path(folder)
     for name in files:
         src = REPO / name
@@ -83,6 +97,20 @@ def run_recipe(folder, files, source, world, timeout=90, save=True):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "RELGRAD"))}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                WORLD_SIZE=str(world), OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="0")
+    if sys.platform.startswith("linux"):
+        done = _launcher().run({"folder": str(folder), "world": world, "timeout": timeout,
+                                "env": env})
+        codes, outputs = done["codes"], done["outputs"]
+    else:  # no fork (Windows), or not a safe one (macOS): one fresh process per rank
+        codes, outputs = _run_spawned(folder, world, timeout, env)
+    params = None
+    if save and all(code == 0 for code in codes):
+        params = [torch.load(folder / f"params_rank{r}.pt") for r in range(world)]
+    return codes, outputs, params
+
+
+def _run_spawned(folder, world, timeout, env):
+    """(returncodes, outputs) of `python -E -s recipe.py` in `folder` on `world` ranks."""
     procs = [subprocess.Popen([sys.executable, "-E", "-s", "recipe.py"], cwd=folder,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -95,11 +123,134 @@ def run_recipe(folder, files, source, world, timeout=90, save=True):
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    codes = [proc.returncode for proc in procs]
-    params = None
-    if save and all(code == 0 for code in codes):
-        params = [torch.load(folder / f"params_rank{r}.pt") for r in range(world)]
-    return codes, outputs, params
+    return [proc.returncode for proc in procs], outputs
+
+
+class _Launcher:
+    """This file run as a script (`_serve`) in a process of its own: one JSON request per line
+    on its stdin, one JSON reply per line on its stdout."""
+
+    def __init__(self):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "RELGRAD"))}
+        env.update(OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="0")  # read at torch's import
+        self._cwd = tempfile.mkdtemp(prefix="relgrad_recipes_")  # sys.path[0] of no recipe
+        self._err = open(os.path.join(self._cwd, "launcher.err"), "w+")
+        self._proc = subprocess.Popen([sys.executable, "-E", "-s", __file__, "--serve"],
+                                      cwd=self._cwd, env=env, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=self._err, text=True)
+        self._lock = threading.Lock()
+
+    def run(self, request):
+        with self._lock:
+            try:
+                self._proc.stdin.write(json.dumps(request) + "\n")
+                self._proc.stdin.flush()
+                line = self._proc.stdout.readline()
+            except OSError:
+                line = ""
+            if not line:
+                self._proc.kill()
+                self._err.seek(0)
+                raise RuntimeError("the recipe launcher process ended (status "
+                                   f"{self._proc.wait()}); its output:\n{self._err.read()}")
+            return json.loads(line)
+
+    def close(self):
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._err.close()
+        shutil.rmtree(self._cwd, ignore_errors=True)
+
+
+_LAUNCHER = []
+
+
+def _launcher():
+    """The session's launcher process, started at the first recipe (again if it ended)."""
+    if not _LAUNCHER or _LAUNCHER[0]._proc.poll() is not None:
+        if _LAUNCHER:
+            _LAUNCHER.pop().close()
+        _LAUNCHER.append(_Launcher())
+        atexit.register(_LAUNCHER[0].close)
+    return _LAUNCHER[0]
+
+
+def _serve():
+    """The launcher's loop: for each request, fork one process per rank, each running the
+    folder's recipe.py as `python -E -s recipe.py` from that folder would (its stdout and
+    stderr to one file, its exit status as the returncode); reply with the returncodes (None
+    for a rank killed at the timeout) and outputs."""
+    import torch._dynamo  # noqa: F401 (torch.optim imports it at the first optimizer built)
+    out_dir = tempfile.mkdtemp(prefix="relgrad_recipe_out_")
+    for line in sys.stdin:
+        request = json.loads(line)
+        world, files = request["world"], []
+        pids = []
+        for rank in range(world):
+            files.append(os.path.join(out_dir, f"rank{rank}.out"))
+            pid = os.fork()
+            if pid == 0:
+                _rank(request, rank, files[-1])  # never returns
+            pids.append(pid)
+        deadline, codes = time.monotonic() + request["timeout"], [None] * world
+        while any(c is None for c in codes) and time.monotonic() < deadline:
+            for i, pid in enumerate(pids):
+                if codes[i] is None:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        codes[i] = os.waitstatus_to_exitcode(status)
+            time.sleep(0.02)
+        for i, pid in enumerate(pids):
+            if codes[i] is None:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        outputs = []
+        for name in files:
+            with open(name, encoding="utf-8", errors="replace") as f:
+                outputs.append(f.read())
+            os.remove(name)
+        sys.stdout.write(json.dumps({"codes": codes, "outputs": outputs}) + "\n")
+        sys.stdout.flush()
+
+
+def _rank(request, rank, out_file):
+    """In a forked child: become rank `rank` of the recipe in `request["folder"]`, run it,
+    exit with its status."""
+    code = 1
+    try:
+        fd = os.open(out_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.environ.clear()
+        os.environ.update(request["env"], RANK=str(rank), LOCAL_RANK=str(rank))
+        os.chdir(request["folder"])
+        sys.argv = ["recipe.py"]
+        sys.path[0] = request["folder"]  # as `python recipe.py` run in the folder has it
+        try:
+            runpy.run_path("recipe.py", run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except BaseException as e:  # noqa: BLE001 (what python prints for an uncaught error)
+            tb = e.__traceback__  # from the snippet's frame on, as `python recipe.py` shows
+            while tb is not None and tb.tb_frame.f_code.co_filename in (__file__,
+                                                                         "<frozen runpy>"):
+                tb = tb.tb_next
+            traceback.print_exception(type(e), e, tb)
+        atexit._run_exitfuncs()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
 
 
 # ---------------------------------------------------------------- one-process references
@@ -173,3 +324,7 @@ def main_grad_reference(model, steps, rows, world, acc):
             for p, master in zip(params, masters):
                 p.copy_(master)
     return [p.detach().clone() for p in params]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
+    _serve()

@@ -251,15 +251,19 @@ def warm_up_then_measure(builders, steps, batch, device, trace, eval_batch=None,
 
     A process's first runs keep tens of MB for good (gloo pairs, autograd and kernel state)
     and its second some 30 KB more: the warm-up rounds keep that out of the measured runs.
-    Then the objects alive so far are frozen out of the garbage collector, which each
-    measurement runs (a full collection over torch's objects costs ~0.1 s; the frozen ones
-    are not collected, the runs' own garbage still is).
+    The objects alive before the warm-up, then those alive after it, are frozen out of the
+    garbage collector, which each measurement runs (a full collection over torch's objects
+    costs ~0.1 s; the frozen ones are not collected, the runs' own garbage still is).
     """
-    for _ in range(2):
-        measure(builders, 1, batch, device, Recorder(False), eval_batch, min(eval_every, 1))
+    import torch._dynamo  # noqa: F401 (torch.optim imports it at the first optimizer built;
+    # imported here, its objects are frozen with torch's before the warm-up's collections)
     gc.collect()
     gc.freeze()
     try:
+        for _ in range(2):
+            measure(builders, 1, batch, device, Recorder(False), eval_batch, min(eval_every, 1))
+        gc.collect()
+        gc.freeze()
         recorder = Recorder(trace)
         runs, measures = measure(builders, steps, batch, device, recorder, eval_batch,
                                  eval_every)
