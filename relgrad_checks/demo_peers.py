@@ -16,6 +16,8 @@ OPTS = {"data": None, "block": 16, "seed": 0, "micro_batch_size": 2, "micro_batc
 # whole 4 KiB pages, a heap chunk to 16 B plus torch's 64 B alignment; the storage's own
 # bookkeeping (StorageImpl) is a few hundred bytes.
 ROUNDING = 4096
+# What other threads may allocate meanwhile: far below the buffer (82 KiB in OPTS' LM).
+SLACK = 1024
 
 
 def _measured_release(released):
@@ -73,7 +75,9 @@ def peers_agree(rank, world):
     for nbytes, freed, storage_freed in released:
         # the buffer is the one "off" keeps: every param's fp32 grad, each padded to 256 B
         assert nbytes == counted_off[0] and grad_bytes <= nbytes < grad_bytes + 256 * 64
-        assert nbytes <= storage_freed <= nbytes + ROUNDING, (nbytes, storage_freed)
+        # Less by at most SLACK: another thread of this process (gloo's, the memory sampler's)
+        # may allocate a few bytes inside the window (32 B seen once on a loaded machine).
+        assert nbytes - SLACK <= storage_freed <= nbytes + ROUNDING, (nbytes, storage_freed)
         assert storage_freed <= freed, (storage_freed, freed)  # + the views it dropped
     result["released"] = released
     return result
