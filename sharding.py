@@ -888,6 +888,25 @@ class _OwnOverlap:
                     buffer._copy_grad_to_buffer(p)
             buffer._comm_grads()
 
+    def _in_flight(self):
+        """comm_overlap: True if this step's bucket collectives have started on this rank (a
+        bucket issued, done or not): backward ran its last pass and step() has not yet
+        waited for them."""
+        return self.comm_overlap and any(b._task is not None for b in self._own_buffers())
+
+    def _settle_own_buffers(self):
+        """comm_overlap: issue the buckets this rank has not issued (`_issue_late_buckets`,
+        so that the peers' collectives are matched), wait for every collective in flight,
+        and reset the check-ins and the firing order: the buffers are as a fresh step needs
+        them (their values are this step's, to be cleared). Beyond Paddle."""
+        if not self.comm_overlap:
+            return
+        self._issue_late_buckets()
+        for buffer in self._own_buffers():
+            buffer._task.wait()
+            buffer._reset_params_checked_in()
+        self._reset_check_in_order()
+
     def _wait_own_buffers(self, buffers):
         """comm_overlap: at step(), wait for and scale every bucket the hooks reduced.
 
@@ -1011,6 +1030,12 @@ _MAIN_GRAD_MSG = ("a param's main_grad does not match its bucket (which reads ma
                   "params had one when DygraphShardingOptimizerV2 was built): "
                   "register_main_grad_hooks ran on some params only, or after the optimizer was "
                   "built. Register them on every param, before building the optimizer")
+_IN_FLIGHT_MSG = (
+    "zero_grad() / clear_grad() ran between backward and step() while "
+    "sharding_configs.comm_overlap's collectives of this step were in flight: it waited for "
+    "them and cleared this step's grads and check-ins, so this step is lost (nothing is "
+    "stepped). Clear grads after step() (or before backward); the optimizer is ready for the "
+    "next backward and step()")
 _NO_GRAD_MSG = ("no param has a grad on any rank at step(): did zero_grad() run between backward "
                 "and step()? Clear grads after step(). Or were the model's params replaced "
                 "after the optimizer was built (model.load_state_dict(..., assign=True), "
@@ -1263,9 +1288,13 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         one per `_parameter_list` entry. Raises ValueError if no trainable param has a grad
         on any rank (Paddle's v2 fails there too; torch would silently step nothing)."""
         params = self._parameter_list
-        anywhere = agree(has_grad, rules, self._flag_groups(), self._flags_device())
-        if any(p.requires_grad for p in params) and not any(anywhere):
-            raise ValueError(_NO_GRAD_MSG)
+        try:
+            anywhere = agree(has_grad, rules, self._flag_groups(), self._flags_device())
+            if any(p.requires_grad for p in params) and not any(anywhere):
+                raise ValueError(_NO_GRAD_MSG)
+        except ValueError:  # raised on every rank: wait for the buckets issued, reset them
+            self._settle_own_buffers()
+            raise
         if not self._grads_freed_in_backward:  # else freed on purpose
             fill_missing_grads(params, anywhere)
         return anywhere
@@ -1438,11 +1467,15 @@ class DygraphShardingOptimizer(_Sharding):
         Beyond Paddle's v1: while fused buffers (the pipeline's, or its own with comm_overlap)
         hold the grads and release is off, dropping them would detach them from the buffer, so
         `set_to_zero=False` raises ValueError as v2 does. With release and comm_overlap, its
-        own buffers are freed here, as v2's are.
+        own buffers are freed here, as v2's are. Between backward and step() under
+        comm_overlap (collectives in flight) it waits, clears and raises ValueError, as v2.
         """
         if (not set_to_zero and (self.pp_overlap or self.comm_overlap)
                 and not self._buffers_released):
             raise ValueError(_ERASE_MSG)
+        in_flight = self._in_flight()
+        if in_flight:  # beyond Paddle: wait for them first, then raise on every rank
+            self._settle_own_buffers()
         self._reduced = self._grads_ready = False
         self._reset_check_in_order()
         for p in self._parameter_list:
@@ -1454,6 +1487,8 @@ class DygraphShardingOptimizer(_Sharding):
         # grads are buffer views, never None, and v2 must not step them: same rule here).
         self._zeroed = {id(p): (id(g), g._version) for p in self._parameter_list
                         if (g := _grad(p)) is not None}
+        if in_flight:
+            raise ValueError(_IN_FLIGHT_MSG)
 
     def _has_grad(self):
         """Per param: this rank has a grad that backward (or the user) wrote since the last
@@ -1578,12 +1613,17 @@ class DygraphShardingOptimizerV2(_Sharding):
         With release off, `set_to_zero=False` raises ValueError ("should not erase grad
         buffer"). With release on, slice params' grads are dropped too: Paddle's
         `_clear_dataptr` on `_slice_grad` frees them; in torch a stale view would keep the
-        freed buffer alive.
+        freed buffer alive. Beyond Paddle, with comm_overlap between backward and step()
+        (collectives in flight): waits for them, clears as above with the check-ins reset,
+        then raises ValueError (`_IN_FLIGHT_MSG`, on every rank that ran the backward).
         """
         # Seed hunk: the "should not erase grad buffer" assert holds only with release off.
         # (Under pipeline overlap the pipeline's buffers follow the PP flag alone.)
         if not self._buffers_released and not set_to_zero:
             raise ValueError(_ERASE_MSG)
+        in_flight = self._in_flight()
+        if in_flight:  # beyond Paddle: wait for them first, then raise on every rank
+            self._settle_own_buffers()
         self._reduced = self._grads_ready = False
         self._reset_check_in_order()
         self._produced.clear()
@@ -1597,6 +1637,8 @@ class DygraphShardingOptimizerV2(_Sharding):
         if self.pp_release_grads and not self.pp_overlap:
             for comm_buffer in self._comm_buffer_list:
                 comm_buffer._clear_grad_storage()
+        if in_flight:
+            raise ValueError(_IN_FLIGHT_MSG)
 
     def _collect_comm_buffers(self):
         if self._comm_buffer_list:

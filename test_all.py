@@ -29,7 +29,8 @@ from torch import nn
 
 import comm_buffer
 from relgrad_checks import (checkpoints, clipping, contract, demo_peers, failures, fused_buffer,
-                            interleave, loops, pipe, recipes, sharding_overlap, zero)
+                            interleave, loops, pipe, recipes, scripts, sharding_overlap,
+                            zero)
 from relgrad_demo.memory import live_grad_bytes
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch)
@@ -1423,3 +1424,28 @@ def test_unused_param_on_one_rank_own_overlap(ranks):
         assert len(params0) == len(params1) == 3
         for p0, p1 in zip(params0, params1):
             assert torch.equal(p0, p1)
+
+
+# ---------------------------------------------------------------- issue 25: real training scripts
+
+def test_zero_grad_in_flight_own_overlap(ranks):
+    """Check that zero_grad() between backward and step() under sharding's own overlap (v1,
+    v2, release on and off) waits for the collectives and raises the same ValueError on both
+    ranks, step() then raises a ValueError on both (no grad, no backward pass), and
+    zero_grad(), backward, step() train on to the one-process result."""
+    results = ranks(2).run(scripts.zero_grad_in_flight, timeout=90)
+    assert len(results) == 2
+    (out0, oracle), (out1, _) = results
+    assert sorted(out0) == sorted(out1) == [(1, False), (1, True), (2, False), (2, True)]
+    for case in out0:
+        first, stepped, again, params = out0[case]
+        assert (first, stepped, again) == out1[case][:3], case
+        assert first[0] == "ValueError" and "ran between backward and step()" in first[1], case
+        assert stepped[0] == "ValueError", case  # no grad (v2) / no backward pass (v1)
+        assert ("no param has a grad" in stepped[1]
+                or "Backward passes per rank: sharding rank 0 (global rank 0): 0" in stepped[1])
+        assert again is None, case
+        for got in (params, out1[case][3]):
+            assert len(got) == len(oracle) > 0
+            for g, w in zip(got, oracle):
+                torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
