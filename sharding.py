@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _share_param_buffer,
-                         all_reduce_mean, assign_group_by_size, bw_hook_func, global_rank,
-                         main_grad_or_grad as _grad, share_comm_queue)
+                         all_reduce_mean, assign_group_by_size, bw_hook_func, densify_grads,
+                         global_rank, main_grad_or_grad as _grad, share_comm_queue)
 
 
 # ============================================================================================
@@ -252,6 +252,7 @@ def agreed_all_reduce_mean(params, group):
     params = list(params)
     if not params:
         return
+    densify_grads(params)  # sparse grads: dense sums, as a dense grad would hold
     anywhere = agree([_grad(p) is not None for p in params], [], [group], params[0].device)
     fill_missing_grads(params, anywhere)
     all_reduce_mean([_grad(p) for p, a in zip(params, anywhere) if a], group)
@@ -1385,6 +1386,7 @@ class DygraphShardingOptimizer(_Sharding):
             self._wait_own_buffers(self._comm_buffers)
             return
         works = []
+        densify_grads(parameter_list)  # sparse grads: c10d has no sparse reduce
         for p in parameter_list:
             g = _grad(p)
             if g is not None:  # the same params on every rank: step() agreed on them first
@@ -1686,7 +1688,10 @@ class DygraphShardingOptimizerV2(_Sharding):
         for param in comm_buffer.params:
             slot = comm_buffer._sharding_param_grad_view[param]._slice_grad_from_buffer()
             grad = _grad_of(param, comm_buffer.use_main_grad)
-            if grad is None or grad.data_ptr() != slot.data_ptr():
+            if grad is not None and grad.layout != torch.strided:  # sparse: into the slot
+                slot.zero_().view(param.shape).add_(grad)
+                _set_grad(param, comm_buffer.use_main_grad, slot.view(param.shape))
+            elif grad is None or grad.data_ptr() != slot.data_ptr():
                 slot.zero_() if grad is None else slot.copy_(grad.reshape(-1))
                 _set_grad(param, comm_buffer.use_main_grad, slot.view(param.shape))
 
@@ -1754,8 +1759,8 @@ class DygraphShardingOptimizerV2(_Sharding):
             for p in buf.params if storage is not None else ():
                 index = buf._sharding_param_grad_view[p]._index
                 grad = _grad_of(p, buf.use_main_grad)
-                if grad is not None and grad.data_ptr() == (storage.data_ptr()
-                                                             + index * storage.element_size()):
+                if grad is not None and grad.layout == torch.strided and grad.data_ptr() == (
+                        storage.data_ptr() + index * storage.element_size()):
                     linked.add(id(p))
         return [id(p) in self._produced or (_grad(p) is not None and id(p) not in linked)
                 for p in self._parameter_list]

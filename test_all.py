@@ -1449,3 +1449,34 @@ def test_zero_grad_in_flight_own_overlap(ranks):
             assert len(got) == len(oracle) > 0
             for g, w in zip(got, oracle):
                 torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+
+
+def test_sparse_grads_train_like_one_process(ranks):
+    """Check that nn.Embedding(sparse=True) under v1 / v2, own overlap off / on, acc 2, trains
+    bitwise alike with release on and off, and to the one-process result (dense embedding)."""
+    from relgrad_checks.common import _assert_bitwise
+    results = ranks(2).run(scripts.sparse_grads, timeout=90)
+    assert len(results) == 2
+    for out, oracle in results:
+        assert len(out) == 8
+        for (version, overlap, release), params in out.items():
+            _assert_bitwise(params, out[version, overlap, not release], (version, overlap))
+            assert len(params) == len(oracle) == 3
+            for got, want in zip(params, oracle):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_sparse_grads_pipeline_like_one_process(ranks):
+    """Check that nn.Embedding(sparse=True) on stage 0 of pp 2 x sharding 2 (pipeline overlap,
+    v1 / v2) and pp 2 x dp 2 (dp overlap on / off), acc 2, trains bitwise alike with release on
+    and off, and to the one-process result."""
+    from relgrad_checks.common import _assert_bitwise
+    results = ranks(4).run(scripts.sparse_grads_pipeline, timeout=120)
+    assert len(results) == 4
+    for out in results:
+        assert len(out) == 2 * len(scripts.PIPE_SPARSE_CASES)
+        for (case, release), (params, oracle) in out.items():
+            _assert_bitwise(params, out[case, not release][0], case)
+            assert len(params) == len(oracle) > 0
+            for got, want in zip(params, oracle):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -52,3 +52,105 @@ def zero_grad_in_flight(rank, world):
             out[version, release] = (first, stepped, again,
                                      [p.detach().clone() for p in model.parameters()])
     return out, _oracle(STEPS)[0]
+
+
+# ---------------------------------------------------------------- sparse grads
+
+class _Bag(nn.Module):
+    """nn.Embedding(10, 4, sparse=...) -> mean over the sequence -> Linear(4, 3)."""
+
+    def __init__(self, sparse):
+        super().__init__()
+        torch.manual_seed(5)
+        self.emb, self.head = nn.Embedding(10, 4, sparse=sparse), nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens).mean(1))
+
+
+def _tokens(step, n):
+    gen = torch.Generator().manual_seed(50 + step)
+    # repeated tokens in a row: a sparse grad with duplicate indices
+    return torch.randint(0, 10, (n, 5), generator=gen), torch.randn(n, 3, generator=gen)
+
+
+def _sparse_oracle(steps, batch):
+    """One process, a dense nn.Embedding, the whole batch, AdamW(1e-2)."""
+    model = _Bag(sparse=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        x, y = _tokens(step, batch)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def sparse_grads(rank, world):
+    """v1 / v2, own overlap off / on, release on / off, acc 2: nn.Embedding(sparse=True)
+    trained 3 steps with AdamW on this rank's half of the batch. Returns ({case: params},
+    the one-process params)."""
+    out, steps, batch, acc = {}, 3, 8, 2
+    for version in (1, 2):
+        for overlap in (False, True):
+            for release in (True, False):
+                st = HybridStrategy(sharding_degree=world, sharding_configs=DygraphShardingConfig(
+                    split_param=version == 2, comm_overlap=overlap, accumulate_steps=acc,
+                    release_gradients=release))
+                hcg = HybridCommunicateGroup(st)
+                model = _Bag(sparse=True)
+                opt = _CLASSES[version](torch.optim.AdamW(model.parameters(), lr=1e-2), hcg, st)
+                for step in range(steps):
+                    x, y = (t.chunk(world)[rank] for t in _tokens(step, batch))
+                    for xm, ym in zip(x.chunk(acc), y.chunk(acc)):
+                        (F.mse_loss(model(xm), ym) / acc).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=release)
+                out[version, overlap, release] = [p.detach().clone() for p in model.parameters()]
+    return out, _sparse_oracle(steps, batch)
+
+
+class _EmbMean(nn.Module):
+    """A pipeline stage's layer: `emb(tokens).mean(1)`."""
+
+    def __init__(self, emb):
+        super().__init__()
+        self.emb = emb
+
+    def forward(self, tokens):
+        return self.emb(tokens).mean(1)
+
+
+PIPE_SPARSE_CASES = ("sharding v1 overlap", "sharding v2 overlap", "dp overlap", "dp")
+
+
+def sparse_grads_pipeline(rank, world):
+    """pp 2 x 2 (sharding with pp_configs.sharding_comm_overlap, v1 / v2; dp with and
+    without pp_configs.dp_comm_overlap), release on / off, acc 2: the embedding stage of a
+    _Bag(sparse=True) trained 2 steps with AdamW. Returns {(case, release): (this
+    stage's params, the one-process params of this stage)}."""
+    out, steps, batch, acc = {}, 2, 8, 2
+    for case in PIPE_SPARSE_CASES:
+        for release in (True, False):
+            sharding = case.startswith("sharding")
+            flags = {"sharding_comm_overlap": True} if sharding else (
+                {"dp_comm_overlap": True} if case == "dp overlap" else {})
+            st = HybridStrategy(
+                pp_degree=2, sharding_degree=2 if sharding else 1, dp_degree=1 if sharding else 2,
+                accumulate_steps=acc, pp_configs=PpConfig(release_gradients=release, **flags),
+                sharding_configs=DygraphShardingConfig(split_param="v2" in case))
+            hcg = HybridCommunicateGroup(st)
+            bag = _Bag(sparse=True)
+            model = PipelineParallel([_EmbMean(bag.emb), bag.head], hcg, st, F.mse_loss)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            if sharding:
+                opt = _CLASSES[2 if "v2" in case else 1](opt, hcg, st)
+            replica = hcg.get_sharding_parallel_rank() if sharding else \
+                hcg.get_data_parallel_rank()
+            for step in range(steps):
+                model.train_batch(tuple(t.chunk(2)[replica] for t in _tokens(step, batch)), opt)
+            # the rank grid differs per topology: this rank's stage with it
+            oracle = _sparse_oracle(steps, batch)
+            out[case, release] = ([p.detach().clone() for p in model.parameters()],
+                                  oracle[:1] if hcg.get_stage_id() == 0 else oracle[1:])
+    return out
