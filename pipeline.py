@@ -61,6 +61,10 @@ _INCOMPLETE_MSG = (
     "acc times, and its bucket's collective would not be issued). Use every param in each "
     "micro-batch, or freeze (requires_grad=False) the ones you leave out before building "
     "the pipeline. The grads of this step are not usable: the step is not taken")
+_BATCH_MSG = (
+    "train_batch: a batch does not split into accumulate_steps micro-batches (of "
+    "micro_batch_size, if set); a rank that started with it would leave the others waiting "
+    "in its collectives. Pass micro_batch_size * accumulate_steps samples on every rank")
 _ABANDONED = []  # p2p works that timed out: kept, since gloo may still write their buffers
 
 
@@ -333,11 +337,12 @@ class PipelineParallel(nn.Module):
 
         Every rank of the pipe passes the same batch; stage 0 reads the inputs, the last
         stage the labels. Returns the loss averaged over micro-batches (0-d fp32 tensor), the
-        same on every rank of this pipe. Raises ValueError if the batch does not split into
-        `accumulate_steps` micro-batches (of `micro_batch_size`, if set). Beyond Paddle,
-        raises ValueError on every rank of the job, before any p2p, for a grad that left its
-        fused buffer (release off), an error `_prepare_training` raised on some rank, or
-        accumulate_steps that differ across ranks; after the schedule, for a bucket that was
+        same on every rank of this pipe. Beyond Paddle, raises ValueError on every rank of
+        the job, before any p2p or collective of the step, if the batch of some rank does
+        not split into `accumulate_steps` micro-batches (of `micro_batch_size`, if set), for
+        a grad that left its fused buffer (release off), an error `_prepare_training` raised
+        on some rank, or accumulate_steps that differ across ranks; after the schedule, for
+        a bucket that was
         incomplete on some rank; PipelineStageTimeout (a TimeoutError) when another stage
         does not answer within the pipe group's timeout, naming it and the error it left.
 
@@ -357,7 +362,7 @@ class PipelineParallel(nn.Module):
             refused = None
         except (ValueError, TypeError) as error:
             refused = error
-        self._agree_at_entry(refused)
+        self._agree_at_entry(refused, data)
         self.train()
         try:
             loss = self.forward_backward_pipeline(data)
@@ -379,28 +384,32 @@ class PipelineParallel(nn.Module):
             groups.append(hcg.get_data_parallel_group())
         return groups
 
-    def _stage_local_problems(self):
+    def _stage_local_problems(self, data=None):
         """Misuse that only this stage can see, as `(rule, detail)` pairs for `agree`.
 
         Beyond Paddle, whose buffers assert it in the backward hook (on that stage alone,
         while the other stages wait in a p2p receive): with release off, every grad of a
-        fused buffer must still be the view of its slot when a step starts.
+        fused buffer must still be the view of its slot when a step starts. Also beyond
+        Paddle, which raises on that rank alone: a batch `data` that does not split into
+        the micro-batches (a dp / sharding replica given another batch size than its peers).
         """
         moved = []
         for buffers in self._chunk_2_comm_buffers.values():
             for buffer in buffers:
                 moved += buffer._moved_grads()
-        return [(_MOVED_GRAD_MSG, ", ".join(moved) or None)]
+        batch = None if data is None else self._batch_problem(data)
+        return [(_MOVED_GRAD_MSG, ", ".join(moved) or None), (_BATCH_MSG, batch)]
 
-    def _agree_at_entry(self, refused=None):
+    def _agree_at_entry(self, refused=None, data=None):
         """Beyond Paddle: before any p2p of a step, raise on every rank of the job the misuse
         any stage sees (`_stage_local_problems`), an error that `_prepare_training` raised
-        on some rank (`refused`: a config or buffer that one stage finds wrong), and
+        on some rank (`refused`: a config or buffer that one stage finds wrong), a batch
+        `data` that does not split into micro-batches on some rank, and
         accumulate_steps that differ across ranks (a rank with fewer micro-batches would
         leave its peers' bucket collectives unmatched), with one small all-reduce per group
         (and, if some rank refused, one more naming it). A stage that never arrives fails
         the others at the group timeout, named."""
-        rules = self._stage_local_problems()
+        rules = self._stage_local_problems(data)
         acc = self.accumulate_steps
         flags = torch.tensor([int(d is not None) for _, d in rules]
                              + [int(refused is not None), acc, acc * acc, 1],
@@ -640,15 +649,26 @@ class PipelineParallel(nn.Module):
         self._total_loss /= self.accumulate_steps
         return self._broadcast_final_loss(scaled=True)
 
-    def _micro_batches(self, data):
-        inputs, labels = data
-        batch, acc = inputs.shape[0], self.accumulate_steps
+    def _batch_problem(self, data):
+        """What is wrong with `data` as this step's batch (a str), or None."""
+        try:
+            inputs, labels = data
+            batch = inputs.shape[0]
+        except (TypeError, ValueError, AttributeError, IndexError):
+            return (f"data must be (inputs, labels), tensors with the batch on dim 0; got "
+                    f"{type(data).__name__}")
+        acc = self.accumulate_steps
         if batch % acc or (self.micro_batch_size and batch != self.micro_batch_size * acc):
-            raise ValueError(f"a batch of {batch} samples does not split into accumulate_steps="
-                             f"{acc} micro-batches of micro_batch_size="
-                             f"{self.micro_batch_size or 'batch/acc'}; pass "
-                             f"micro_batch_size * accumulate_steps samples")
-        return inputs.chunk(acc), labels.chunk(acc)
+            return (f"a batch of {batch} samples does not split into accumulate_steps={acc} "
+                    f"micro-batches of micro_batch_size={self.micro_batch_size or 'batch/acc'}")
+        return None
+
+    def _micro_batches(self, data):
+        problem = self._batch_problem(data)
+        if problem is not None:
+            raise ValueError(f"{problem}; pass micro_batch_size * accumulate_steps samples")
+        inputs, labels = data
+        return inputs.chunk(self.accumulate_steps), labels.chunk(self.accumulate_steps)
 
     def _forward_step(self, x, label, k):
         self.schedule_trace.append(("F", k))

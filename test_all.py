@@ -1480,3 +1480,15 @@ def test_sparse_grads_pipeline_like_one_process(ranks):
             assert len(params) == len(oracle) > 0
             for got, want in zip(params, oracle):
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_batch_that_does_not_split_raises_everywhere(ranks):
+    """Check that a batch of 3 samples for acc 2 on one replica (pp 1 x dp 2; the other gets
+    0) raises the same ValueError on both ranks within 5 s (the group timeout is 20 s)."""
+    seen = ranks(2).run(scripts.batch_does_not_split, timeout=60)
+    assert len(seen) == 2
+    _same_error([s[0] for s in seen], 2, "train_batch: a batch does not split into "
+                                         "accumulate_steps micro-batches")
+    assert "on this rank: a batch of 3 samples does not split" in seen[0][0][1]
+    assert "seen on 1 rank(s) of the job)" in seen[1][0][1]
+    assert all(spent < 5 for _, spent in seen), seen

@@ -154,3 +154,18 @@ def sparse_grads_pipeline(rank, world):
             out[case, release] = ([p.detach().clone() for p in model.parameters()],
                                   oracle[:1] if hcg.get_stage_id() == 0 else oracle[1:])
     return out
+
+
+# ---------------------------------------------------------------- a batch that does not split
+
+def batch_does_not_split(rank, world):
+    """pp 1 x dp 2, acc 2, a group timeout of 20 s: rank 0 gets 3 samples, rank 1 none.
+    Returns (what train_batch raised, seconds it took)."""
+    st = HybridStrategy(dp_degree=2, accumulate_steps=2)
+    hcg = HybridCommunicateGroup(st, timeout=timedelta(seconds=20))
+    model = PipelineParallel([nn.Linear(3, 2)], hcg, st, F.mse_loss)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    n = 3 if rank == 0 else 0
+    start = time.monotonic()
+    seen = _caught(model.train_batch, (torch.ones(n, 3), torch.zeros(n, 2)), opt)
+    return seen, time.monotonic() - start
