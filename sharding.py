@@ -1651,7 +1651,11 @@ class DygraphShardingOptimizerV2(_Sharding):
                 del p.comm_buffer_ref
                 if ref() is not None:
                     self._comm_buffer_list.append(ref())
-        if not self._comm_buffer_list:
+        # No buffers without pipeline overlap: no param was trainable at construction
+        # (`_misuse_rules` names one unfrozen since). None under it for a stage whose params
+        # are all frozen: nothing to step. Either way step() goes on and steps nothing.
+        trainable = any(p.requires_grad for p in self._parameter_list)
+        if not self._comm_buffer_list and self.pp_overlap and trainable:
             raise RuntimeError("sharding v2 found no REDUCE_SCATTER buffers: with "
                                "pp_configs.sharding_comm_overlap the pipeline builds them in "
                                "its first train_batch; step() must run inside train_batch")

@@ -1492,3 +1492,18 @@ def test_batch_that_does_not_split_raises_everywhere(ranks):
     assert "on this rank: a batch of 3 samples does not split" in seen[0][0][1]
     assert "seen on 1 rank(s) of the job)" in seen[1][0][1]
     assert all(spent < 5 for _, spent in seen), seen
+
+
+def test_all_frozen_stage_steps_nothing(ranks):
+    """Check that a pipeline stage whose params are all frozen (pp 2 x sharding 2, v1 / v2,
+    pipeline overlap off / on) raises nothing, leaves its params as they are, and the other
+    stage trains to the one-process result."""
+    results = ranks(4).run(scripts.frozen_stage, timeout=90)
+    assert len(results) == 4
+    for out in results:
+        assert sorted(out) == sorted(scripts.FROZEN_CASES)
+        for case, (error, params, want) in out.items():
+            assert error is None, (case, error)
+            assert len(params) == len(want) == 2, case
+            for got, ref in zip(params, want):
+                torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)

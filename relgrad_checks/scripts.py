@@ -169,3 +169,48 @@ def batch_does_not_split(rank, world):
     start = time.monotonic()
     seen = _caught(model.train_batch, (torch.ones(n, 3), torch.zeros(n, 2)), opt)
     return seen, time.monotonic() - start
+
+
+# ---------------------------------------------------------------- an all-frozen stage
+
+FROZEN_CASES = ((2, False), (2, True), (1, False), (1, True))  # (version, pipeline overlap)
+
+
+def frozen_stage(rank, world):
+    """pp 2 x sharding 2, release on, acc 2: layers Linear(3, 4), Tanh, Linear(4, 2) with the
+    last frozen, so stage 1 holds no trainable param; v1 / v2, pipeline sharding overlap off /
+    on, 2 steps of SGD. Returns {case: (what training raised, this stage's params, the
+    one-process params of this stage)}."""
+    out = {}
+    for version, overlap in FROZEN_CASES:
+        st = HybridStrategy(pp_degree=2, sharding_degree=2, accumulate_steps=2,
+                            pp_configs=PpConfig(release_gradients=True,
+                                                sharding_comm_overlap=overlap),
+                            sharding_configs=DygraphShardingConfig(split_param=version == 2))
+        hcg = HybridCommunicateGroup(st)
+
+        def layers():
+            torch.manual_seed(11)
+            built = [nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)]
+            built[2].requires_grad_(False)
+            return built
+
+        model = PipelineParallel(layers(), hcg, st, F.mse_loss, seg_boundaries=[0, 2, 3])
+        opt = _CLASSES[version](torch.optim.SGD(model.parameters(), lr=0.1), hcg, st)
+        reference = nn.Sequential(*layers())
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        error = None
+        for step in range(2):
+            gen = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 3, generator=gen), torch.randn(8, 2, generator=gen)
+            F.mse_loss(reference(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            part = (x.chunk(2)[hcg.get_sharding_parallel_rank()],
+                    y.chunk(2)[hcg.get_sharding_parallel_rank()])
+            error = error or _caught(model.train_batch, part, opt)
+        mine = list(reference.parameters())
+        mine = mine[:2] if hcg.get_stage_id() == 0 else mine[2:]
+        out[version, overlap] = (error, [p.detach().clone() for p in model.parameters()],
+                                 [p.detach().clone() for p in mine])
+    return out
