@@ -150,7 +150,8 @@ class PipelineParallel(nn.Module):
             them (with comm overlap, their buckets wait for that sum), so they stay equal;
             see `relgrad_extras.shared_weights.SharedWeights` (copy `relgrad_extras/`; without
             it, ties raise ImportError) for the rules and the errors it raises.
-    Raises ValueError for boundaries that do not cover the layers, an overlap config that
+    Raises ValueError for boundaries that do not cover the layers, a Parameter object in
+    the layers of two stages that no tie of `shared_weights` names, an overlap config that
     breaks Paddle's rules (dp_comm_overlap needs dp > 1 and pp > 1, sharding_comm_overlap
     needs sharding > 1 and pp > 1, not both), or pp_configs.num_virtual_pipeline_stages > 1
     (that is `PipelineParallelWithInterleave`).
@@ -175,7 +176,9 @@ class PipelineParallel(nn.Module):
         # Before any communication, so that a bad config raises on every rank alike.
         self._check_virtual_stages(getattr(pp_configs, "num_virtual_pipeline_stages", 1))
         self._comm_overlap = self._dp_comm_overlap or self._sharding_comm_overlap
-        self._layers, bounds = self._build_layers(list(layers), seg_boundaries)
+        layers = list(layers)
+        self._layers, bounds = self._build_layers(layers, seg_boundaries)
+        self._check_untied_shares(layers, bounds, shared_weights)
 
         self._chunk_2_comm_buffers = defaultdict(list)
         self._sharding_hooks_registered = False
@@ -218,6 +221,34 @@ class PipelineParallel(nn.Module):
             raise ValueError(f"pp_configs.num_virtual_pipeline_stages={num_virtual_stages} "
                              "needs the interleaved schedule: build PipelineParallelWithInterleave"
                              " (relgrad_extras.interleave); PipelineParallel runs 1 chunk")
+
+    def _check_untied_shares(self, layers, bounds, shared_weights):
+        """Beyond Paddle: raise ValueError (on every rank: each holds the whole layer list)
+        for a Parameter object that appears in the layers of two stages without a tie in
+        `shared_weights` naming both (e.g. an embedding and an LM head tied inside one
+        model, then cut across stages): each stage would train its own copy, and the copies
+        drift apart silently. Layers given as LayerDescs (callables) are not seen here."""
+        tied = [set(tie) for tie in shared_weights or ()]
+        chunks = len(bounds) - 1
+        first, problems = {}, []
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, nn.Module):
+                continue
+            chunk = max(c for c in range(chunks) if bounds[c] <= i < bounds[c + 1])
+            stage = chunk % self.num_stages  # virtual stages: chunk c runs on stage c % pp
+            for name, p in layer.named_parameters():
+                name = f"{i}.{name}"
+                seen = first.setdefault(id(p), (name, stage))
+                if seen[1] != stage and not any({seen[0], name} <= tie for tie in tied):
+                    problems.append((seen, (name, stage)))
+        if problems:
+            (a, sa), (b, sb) = problems[0]
+            raise ValueError(
+                f"one Parameter object is '{a}' on stage {sa} and '{b}' on stage {sb} "
+                f"({len(problems)} such pair(s)): each stage would train its own copy and "
+                "the copies would drift apart. Tie them with "
+                f"PipelineParallel(..., shared_weights=[({a!r}, {b!r})]) (their grads are "
+                "then summed over the stages), or give the layers separate params")
 
     def _shared_weights(self, shared_weights, bounds):
         if shared_weights is None:

@@ -1507,3 +1507,15 @@ def test_all_frozen_stage_steps_nothing(ranks):
             assert len(params) == len(want) == 2, case
             for got, ref in zip(params, want):
                 torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+
+
+def test_tie_across_stages_without_shared_weights_raises(ranks):
+    """Check that one Parameter object in layers 0 and 3 of pp 2 (stages 0 and 1) without
+    shared_weights= raises the same ValueError on both ranks at construction, naming both
+    places and the entry to pass; with that entry it builds and trains."""
+    seen = ranks(2).run(scripts.tie_across_stages, timeout=60)
+    assert len(seen) == 2
+    _same_error([s[0] for s in seen], 2, "one Parameter object is '0.wte.weight' on stage 0 "
+                                         "and '3.lm_head.weight' on stage 1")
+    assert all("shared_weights=[('0.wte.weight', '3.lm_head.weight')]" in s[0][1] for s in seen)
+    assert [s[1:] for s in seen] == [(None, None)] * 2

@@ -214,3 +214,47 @@ def frozen_stage(rank, world):
         out[version, overlap] = (error, [p.detach().clone() for p in model.parameters()],
                                  [p.detach().clone() for p in mine])
     return out
+
+
+# ---------------------------------------------------------------- a tie split across stages
+
+class _Wte(nn.Module):
+    def __init__(self, wte):
+        super().__init__()
+        self.wte = wte
+
+    def forward(self, tokens):
+        return self.wte(tokens).mean(1)
+
+
+class _Head(nn.Module):
+    def __init__(self, wte):
+        super().__init__()
+        self.lm_head = nn.Linear(4, 10, bias=False)
+        self.lm_head.weight = wte.weight  # tied inside the model, as GPT-2's
+
+    def forward(self, h):
+        return self.lm_head(h)
+
+
+def tie_across_stages(rank, world):
+    """pp 2: [embedding, Linear, Linear, head] with the head's weight the embedding's
+    Parameter object, cut [0, 2) and [2, 4). Returns (what building without shared_weights
+    raised, what building with the tie raised, what one train_batch of the tied build
+    raised)."""
+    st = HybridStrategy(pp_degree=2, accumulate_steps=2)
+    hcg = HybridCommunicateGroup(st)
+
+    def layers():
+        torch.manual_seed(3)
+        wte = nn.Embedding(10, 4)
+        return [_Wte(wte), nn.Linear(4, 4), nn.Linear(4, 4), _Head(wte)]
+
+    untied = _caught(PipelineParallel, layers(), hcg, st, F.mse_loss)
+    tie = [("0.wte.weight", "3.lm_head.weight")]
+    tied = _caught(PipelineParallel, layers(), hcg, st, F.mse_loss, shared_weights=tie)
+    model = PipelineParallel(layers(), hcg, st, F.mse_loss, shared_weights=tie)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randint(0, 10, (4, 3), generator=torch.Generator().manual_seed(0)),
+             torch.zeros(4, 10))
+    return untied, tied, _caught(model.train_batch, batch, opt)
