@@ -30,6 +30,7 @@ References: Paddle PRs #59739, #58441; Narayanan et al., "Efficient Large-Scale 
 Training on GPU Clusters Using Megatron-LM" (2021); Harlap et al., "PipeDream" (2018).
 """
 import os
+import threading
 import weakref
 from collections import defaultdict
 from datetime import timedelta
@@ -70,6 +71,14 @@ _ABANDONED = []  # p2p works that timed out: kept, since gloo may still write th
 
 class PipelineStageTimeout(TimeoutError):
     """A stage waited past the pipe group's timeout for another stage (which is named)."""
+
+
+class PipelineStageFailed(Exception):
+    """Another stage of the pipe failed in this train_batch call while this one waited for
+    its p2p message; names that stage and its error (read from the default group's store)."""
+
+
+_WATCH_SECONDS = 0.2  # how often a p2p wait looks in the store for a stage that failed
 
 
 def _group_timeout(group):
@@ -865,8 +874,9 @@ class PipelineParallel(nn.Module):
         within the pipe group's timeout (gloo waits for ever by default). Beyond Paddle.
 
         Raises PipelineStageTimeout (a TimeoutError) naming the peer's stage and, if that
-        stage (or another) failed in this train_batch call, its error. The timed-out op is
-        left pending (gloo cannot cancel it): the pipeline is not usable afterwards.
+        stage (or another) failed in this train_batch call, its error; PipelineStageFailed
+        as soon as another stage failed in this call (`_wait_watching`). The timed-out op
+        is left pending (gloo cannot cancel it): the pipeline is not usable afterwards.
         """
         group = self._hcg.get_pipe_parallel_group()
         if dist.get_backend(group) != "gloo":  # nccl: its watchdog enforces the timeout
@@ -877,7 +887,7 @@ class PipelineParallel(nn.Module):
         peers = peers if len(peers) == len(works) else [None] * len(works)
         for work, peer in zip(works, peers):
             try:
-                work.wait(timeout)
+                self._wait_watching(work, timeout)
             except RuntimeError as error:
                 if "imed out" not in str(error):
                     raise
@@ -886,6 +896,47 @@ class PipelineParallel(nn.Module):
                           if peer in (None, self._hcg.get_rank_from_stage(s))]
                 raise self._stage_timeout(f"stage(s) {stages} did not answer a p2p message",
                                           stages) from error
+
+    def _wait_watching(self, work, timeout):
+        """`work.wait(timeout)` (gloo), looking in the store every `_WATCH_SECONDS` while
+        it runs for a stage that failed in this train_batch call (`_post_failure`). Beyond
+        Paddle. gloo cannot cut a wait short (a wait that times out closes the connection),
+        so the wait runs in a thread of its own, and this one raises PipelineStageFailed
+        naming the stage and its error once one is there: the others learn
+        of a failure within a fraction of a second, not at the group timeout. The abandoned
+        wait ends at the timeout; the pipeline is not usable afterwards, as after a timeout.
+        """
+        done, caught = threading.Event(), []
+
+        def wait():
+            try:
+                work.wait(timeout)
+            except BaseException as error:  # noqa: BLE001 (re-raised by the caller's thread)
+                caught.append(error)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, daemon=True).start()
+        while not done.wait(_WATCH_SECONDS):
+            failed = self._failed_stages()
+            if failed:
+                _ABANDONED.append(work)  # gloo must not free a buffer it may still fill
+                raise PipelineStageFailed(
+                    f"stage {self.stage_id} (global rank {dist.get_rank()}): while it waited "
+                    f"for a p2p message, {'; '.join(failed)} (see its traceback)")
+        if caught:
+            raise caught[0]
+
+    def _failed_stages(self):
+        """`stage s (global rank r) failed with ...` for each other stage that left an
+        error in this train_batch call (`_post_failure`)."""
+        failed = []
+        for s in range(self.num_stages):
+            note = self._store_get(f"failed{s}") if s != self.stage_id else None
+            if note and note.split("|", 1)[0] == str(self._calls):
+                failed.append(f"stage {s} (global rank {self._hcg.get_rank_from_stage(s)}) "
+                              f"failed with {note.split('|', 1)[1]}")
+        return failed
 
     def _meta(self, t):
         if t.dim() > _META_LEN - 2 or t.dtype not in _DTYPES:

@@ -1180,13 +1180,13 @@ def test_failure_moved_grad_on_one_stage(ranks):
 
 def test_failure_stage_raises_mid_schedule(ranks):
     """Check a loss that raises on the last stage mid-schedule fails the other stage within
-    the pipe group's timeout, naming the failed stage and its error."""
-    (last, _, _), (first, spent, is_timeout) = ranks(2).run(
-        failures.stage_fails_mid_schedule, 3, timeout=60)[::-1]
+    5 s (the pipe group's timeout is 20 s), naming the failed stage and its error."""
+    (last, _, _), (first, spent, classes) = ranks(2).run(
+        failures.stage_fails_mid_schedule, 20, timeout=60)[::-1]
     assert last == ("RuntimeError", "injected loss failure on the last stage")
-    assert first[0] == "PipelineStageTimeout" and is_timeout
+    assert first[0] == "PipelineStageFailed" and classes
     assert "stage 1 (global rank 1) failed with RuntimeError: injected loss" in first[1]
-    assert 2.5 < spent < 30
+    assert spent < 5, spent
 
 
 def test_failure_stage_never_arrives(ranks):
