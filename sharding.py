@@ -33,6 +33,7 @@ import importlib
 import inspect
 import math
 import weakref
+import zlib
 from collections import OrderedDict
 
 import torch
@@ -197,10 +198,10 @@ _clear = clear_grad_func
 #
 # Used by `sharding.py` (v1 / v2 `step()`) and `pipeline.py` (`_optimizer_step`'s dp all-reduce).
 
-def agree(has_grad, rules, groups, device):
+def agree(has_grad, rules, groups, device, same=None):
     """Sum `[rule flags..., has_grad flags...]` (1-D int32, len(rules) + len(has_grad)
-    elements, 0 / 1 each) over each of `groups` in turn: one small all-reduce per group.
-    Not in Paddle (see the module docstring).
+    elements, 0 / 1 each; with `same`, 3 more) over each of `groups` in turn: one small
+    all-reduce per group. Not in Paddle (see the module docstring).
 
     Args:
         has_grad: list of bool, one per param (this rank holds a grad for it).
@@ -208,11 +209,18 @@ def agree(has_grad, rules, groups, device):
             what this rank saw (str) or None if it saw nothing wrong.
         groups: process groups to sum over, in order (e.g. sharding, then dp); None = WORLD.
         device: where the flags tensor lives (the params' device: nccl needs cuda).
+        same: None, or `(rule, code, detail)`: `code` an int in [0, 4096) that must be the
+            same on every rank (e.g. which call opened the step, with which arguments);
+            `detail` what this rank's code stands for. Summed as code, code^2 and 1: all
+            codes are equal iff (sum code)^2 == ranks * sum code^2.
     Returns a list of bool, one per param: some rank of `groups` has a grad for it.
     Raises ValueError on every rank of `groups` for the first rule any rank saw, with this
-    rank's detail when it saw it.
+    rank's detail when it saw it, then for codes that differ.
     """
     local = [int(detail is not None) for _, detail in rules] + [int(h) for h in has_grad]
+    if same is not None:
+        assert 0 <= same[1] < 4096, same  # the square sum stays within int32
+        local += [same[1], same[1] * same[1], 1]
     flags = torch.tensor(local, dtype=torch.int32, device=device)
     for group in groups:
         dist.all_reduce(flags, group=group)
@@ -221,6 +229,10 @@ def agree(has_grad, rules, groups, device):
         if count:
             here = f"; on this rank: {detail}" if detail is not None else ""
             raise ValueError(f"{rule} (seen on {count} rank(s) of the group{here})")
+    if same is not None:
+        (total, squares, n), counts = counts[-3:], counts[:-3]
+        if total * total != squares * n:
+            raise ValueError(f"{same[0]} (here: {same[2]})")
     return [c > 0 for c in counts[len(rules):]]
 
 
@@ -1064,6 +1076,44 @@ def _check_grad_clip(grad_clip):
     return grad_clip
 
 
+_ENTRY_MSG = ("the sharding optimizer: every rank of the sharding (and dp) group must open "
+              "a step alike, all with opt.clip_grad_norm_(...) with the same arguments, or all "
+              "with step() without it; the ranks differ")
+
+
+def _entry_code(entry):
+    """`agree`'s `same` for how a rank opened the step: `entry` None (step()) or the
+    arguments of clip_grad_norm_, hashed into [1, 4096)."""
+    if entry is None:
+        return _ENTRY_MSG, 0, "step() without clip_grad_norm_"
+    name, *args = entry
+    text = f"{name}({', '.join(map(repr, args))})"
+    return _ENTRY_MSG, 1 + zlib.crc32(text.encode()) % 4095, text
+
+
+def _clip_rules(args=None, grad_clip=None):
+    """clip_grad_norm_'s argument checks as `(rule, detail)` pairs for `agree`, on
+    `args = (max_norm, norm_type)`; None (step() without it): the same rules, unseen. Every
+    step passes them, so that the flags have one length on every rank."""
+    bad_norm = bad_type = False
+    if args is not None:
+        max_norm, norm_type = args
+        bad_norm = isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or (
+            not (math.isfinite(max_norm) and max_norm > 0))
+        try:
+            bad_type = float(norm_type) != 2.0
+        except (TypeError, ValueError):
+            bad_type = True
+    return [("clip_grad_norm_: max_norm must be a finite number > 0; pass e.g. "
+             "opt.clip_grad_norm_(1.0)", f"max_norm={args[0]!r}" if bad_norm else None),
+            ("clip_grad_norm_: only norm_type=2 (the L2 norm) is supported over sharded grads",
+             f"norm_type={args[1]!r}" if bad_type else None),
+            ("clip_grad_norm_ on an optimizer built with grad_clip= would clip twice; use "
+             "one of them",
+             f"grad_clip={grad_clip!r}" if args is not None and grad_clip is not None
+             else None)]
+
+
 def _first_difference(a, b):
     """reprs of the first differing entries of two equal-length lists (recursively; a tuple,
     such as a (name, value) pair, is shown whole) or dicts, else of the whole values: what a
@@ -1106,6 +1156,7 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         self._dp_sync = (hcg.get_data_parallel_world_size() > 1
                          and not pp_config.dp_comm_overlap)
         self._reduced = False  # grads reduced by a step() and not cleared since
+        self._agreement_failed = False  # step()'s agreement raised since the last clear_grad
         self._grads_ready = False  # clip_grad_norm_ ran step()'s first half; step() next
         self._agree_on_setup(optimizer, strategy)
         self._broadcast_params()
@@ -1259,20 +1310,13 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         RuntimeError (on every rank: the norm is the same everywhere) for a non-finite norm
         with `error_if_nonfinite`; and what `step()` raises for the grads (on every rank).
         """
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
-                math.isfinite(max_norm) and max_norm > 0):
-            raise ValueError(f"clip_grad_norm_: max_norm must be a finite number > 0, got "
-                             f"{max_norm!r}; pass e.g. opt.clip_grad_norm_(1.0)")
-        if float(norm_type) != 2.0:
-            raise ValueError(f"clip_grad_norm_: only norm_type=2 (the L2 norm) is supported "
-                             f"over sharded grads, got {norm_type!r}")
-        if self._grad_clip is not None:
-            raise ValueError(f"clip_grad_norm_ on an optimizer built with grad_clip="
-                             f"{self._grad_clip!r} would clip twice; use one of them")
         if self._grads_ready:
             raise RuntimeError("clip_grad_norm_ ran twice before step(); call it once per "
                                "step, between backward and step()")
-        self._reduce_for_step()
+        # Beyond torch: the checks join step()'s agreement, so that a rank with other
+        # arguments raises with the others instead of leaving them in that agreement.
+        self._reduce_for_step(("clip_grad_norm_", max_norm, norm_type, error_if_nonfinite),
+                              _clip_rules((max_norm, norm_type), self._grad_clip))
         self._grads_ready = True
         norm = clip_grads_by_global_norm(self._clip_pairs(), max_norm, norm_groups(self._hcg),
                                          self._flags_device(), coefficient="torch")
@@ -1281,20 +1325,23 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
                                ", non-finite; pass error_if_nonfinite=False to clip anyway")
         return norm
 
-    def _agree_grads(self, has_grad, rules):
+    def _agree_grads(self, has_grad, rules, entry=None):
         """Beyond Paddle: agree on every rank of the sharding (and dp) group, in one small
         all-reduce per group, on the misuse `rules` (raised on every rank, see
         `agree`) and on which params have a grad anywhere; give the others a
         zero grad here, so that every rank issues the same reduces. Returns the agreed flags,
         one per `_parameter_list` entry. Raises ValueError if no trainable param has a grad
-        on any rank (Paddle's v2 fails there too; torch would silently step nothing)."""
+        on any rank (Paddle's v2 fails there too; torch would silently step nothing), and if
+        the ranks opened the step differently (`entry`: None for step(), the arguments of
+        clip_grad_norm_ for it; `_entry_code`)."""
         params = self._parameter_list
         try:
-            anywhere = agree(has_grad, rules, self._flag_groups(), self._flags_device())
+            anywhere = agree(has_grad, rules, self._flag_groups(), self._flags_device(),
+                             _entry_code(entry))
             if any(p.requires_grad for p in params) and not any(anywhere):
                 raise ValueError(_NO_GRAD_MSG)
-        except ValueError:  # raised on every rank: wait for the buckets issued, reset them
-            self._settle_own_buffers()
+        except ValueError:  # raised on every rank; the buckets stay as they are, so that
+            self._agreement_failed = True  # a step() retried after a fix can still use them
             raise
         if not self._grads_freed_in_backward:  # else freed on purpose
             fill_missing_grads(params, anywhere)
@@ -1446,12 +1493,13 @@ class DygraphShardingOptimizer(_Sharding):
         for work in works:
             work.wait()
 
-    def _reduce_for_step(self):
-        """The first half of `step()` (also run by `clip_grad_norm_`): agree, reduce to the
+    def _reduce_for_step(self, entry=None, rules=None):
+        """The first half of `step()` (also run by `clip_grad_norm_`, with its arguments as
+        `entry` and its argument checks as `rules`, `_clip_rules`): agree, reduce to the
         owners, dp all-reduce. The owned grads are reduced and final afterwards."""
         if self.comm_overlap:  # before any collective of step(): match every rank's buckets
             self._issue_late_buckets()
-        anywhere = self._agree_grads(self._has_grad(), [])
+        anywhere = self._agree_grads(self._has_grad(), rules or _clip_rules(), entry)
         for p, some_rank in zip(self._parameter_list, anywhere):
             if not some_rank:  # a zeroed grad nobody wrote: not stepped (torch: None)
                 _clear(p, set_to_zero=False)
@@ -1475,9 +1523,12 @@ class DygraphShardingOptimizer(_Sharding):
         if (not set_to_zero and (self.pp_overlap or self.comm_overlap)
                 and not self._buffers_released):
             raise ValueError(_ERASE_MSG)
-        in_flight = self._in_flight()
-        if in_flight:  # beyond Paddle: wait for them first, then raise on every rank
+        # Beyond Paddle: wait for the collectives in flight first; raise on every rank
+        # unless step() already raised for this step (then clearing is what it asked for).
+        in_flight = self._in_flight() and not self._agreement_failed
+        if self._in_flight():
             self._settle_own_buffers()
+        self._agreement_failed = False
         self._reduced = self._grads_ready = False
         self._reset_check_in_order()
         for p in self._parameter_list:
@@ -1623,9 +1674,12 @@ class DygraphShardingOptimizerV2(_Sharding):
         # (Under pipeline overlap the pipeline's buffers follow the PP flag alone.)
         if not self._buffers_released and not set_to_zero:
             raise ValueError(_ERASE_MSG)
-        in_flight = self._in_flight()
-        if in_flight:  # beyond Paddle: wait for them first, then raise on every rank
+        # Beyond Paddle: wait for the collectives in flight first; raise on every rank
+        # unless step() already raised for this step (then clearing is what it asked for).
+        in_flight = self._in_flight() and not self._agreement_failed
+        if self._in_flight():
             self._settle_own_buffers()
+        self._agreement_failed = False
         self._reduced = self._grads_ready = False
         self._reset_check_in_order()
         self._produced.clear()
@@ -1727,14 +1781,15 @@ class DygraphShardingOptimizerV2(_Sharding):
         for comm_buffer in self._comm_buffer_list:  # _sharding_sync_parameters
             comm_buffer.sync_params()
 
-    def _reduce_for_step(self):
-        """The first half of `step()` (also run by `clip_grad_norm_`): agree, reduce-scatter,
-        bind the slices, dp all-reduce. The slice grads are reduced and final afterwards."""
+    def _reduce_for_step(self, entry=None, rules=None):
+        """The first half of `step()` (also run by `clip_grad_norm_`, with `entry` and
+        `rules` as v1's): agree, reduce-scatter, bind the slices, dp all-reduce. The slice
+        grads are reduced and final afterwards."""
         self._collect_comm_buffers()
         if self.comm_overlap:  # before any collective of step(): match every rank's buckets
             self._issue_late_buckets()
-        rules = self._misuse_rules()
-        anywhere = self._agree_grads(self._has_grad(), rules)
+        rules = (rules or _clip_rules()) + self._misuse_rules()
+        anywhere = self._agree_grads(self._has_grad(), rules, entry)
         self._begin_step()
         self.reduce_gradients(self._parameter_list, self._hcg)
         self._assign_slice_grad()

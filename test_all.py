@@ -1519,3 +1519,26 @@ def test_tie_across_stages_without_shared_weights_raises(ranks):
                                          "and '3.lm_head.weight' on stage 1")
     assert all("shared_weights=[('0.wte.weight', '3.lm_head.weight')]" in s[0][1] for s in seen)
     assert [s[1:] for s in seen] == [(None, None)] * 2
+
+
+def test_clip_grad_norm_arguments_agreed(ranks):
+    """Check that clip_grad_norm_ with another max_norm, an invalid one, or step() on the
+    other rank raises the same ValueError on both ranks within 5 s (v1 / v2, own overlap off
+    / on), and that the step then goes on to the one-process result."""
+    results = ranks(2).run(scripts.clip_arguments_differ, timeout=90)
+    assert len(results) == 2
+    (out0, oracle), (out1, _) = results
+    assert sorted(out0) == sorted(out1) == [(1, False), (1, True), (2, False), (2, True)]
+    wanted = ("every rank of the sharding (and dp) group must open a step alike",
+              "max_norm must be a finite number > 0",
+              "every rank of the sharding (and dp) group must open a step alike")
+    for case in out0:
+        for (errors, spent, params) in (out0[case], out1[case]):
+            assert len(errors) == len(spent) == 3, case
+            for error, want in zip(errors, wanted):
+                assert error is not None and error[0] == "ValueError" and want in error[1], \
+                    (case, error)
+            assert all(s < 5 for s in spent), (case, spent)
+            assert len(params) == len(oracle) > 0
+            for got, ref in zip(params, oracle):
+                torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)

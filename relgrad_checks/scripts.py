@@ -258,3 +258,36 @@ def tie_across_stages(rank, world):
     batch = (torch.randint(0, 10, (4, 3), generator=torch.Generator().manual_seed(0)),
              torch.zeros(4, 10))
     return untied, tied, _caught(model.train_batch, batch, opt)
+
+
+# ---------------------------------------------------------------- clip_grad_norm_ agreed
+
+def clip_arguments_differ(rank, world):
+    """v1 / v2, own overlap off / on: after one backward, rank 1 calls clip_grad_norm_ with
+    another max_norm, then with an invalid one, then step() while rank 0 clips; then both
+    clip with 0.05 and step, for STEPS steps. Returns ({case: (the three errors, the
+    seconds each took, params)}, the one-process params clipped at 0.05)."""
+    out = {}
+    for version in (1, 2):
+        for overlap in (False, True):
+            model, opt = _sharded(world, version, overlap, 1)
+            for x, y in _micro_batches(rank, world, 0, 1):
+                F.mse_loss(model(x), y).backward()
+            calls = [lambda: opt.clip_grad_norm_(1.0 if rank == 0 else 2.0),
+                     lambda: opt.clip_grad_norm_(1.0 if rank == 0 else 0.0),
+                     lambda: opt.clip_grad_norm_(1.0) if rank == 0 else opt.step()]
+            errors, spent = [], []
+            for call in calls:
+                start = time.monotonic()
+                errors.append(_caught(call))
+                spent.append(time.monotonic() - start)
+            for step in range(STEPS):  # the first step goes on with the same grads
+                if step > 0:
+                    for x, y in _micro_batches(rank, world, step, 1):
+                        F.mse_loss(model(x), y).backward()
+                opt.clip_grad_norm_(0.05)
+                opt.step()
+                opt.zero_grad()
+            out[version, overlap] = (errors, spent,
+                                     [p.detach().clone() for p in model.parameters()])
+    return out, _oracle(STEPS, 0.05)[0]
