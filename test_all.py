@@ -1542,3 +1542,15 @@ def test_clip_grad_norm_arguments_agreed(ranks):
             assert len(params) == len(oracle) > 0
             for got, ref in zip(params, oracle):
                 torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+
+
+def test_incomplete_tied_and_interleaved_buckets_raise_everywhere(ranks):
+    """Check that a bucket left incomplete on one rank, one holding a copy tied across stages
+    and one under the interleaved schedule (pp 2 x sharding 2, v2, pipeline overlap), ends
+    train_batch with the same ValueError on all 4 ranks, and the next train_batch runs."""
+    results = ranks(4).run(scripts.incomplete_tied_and_interleaved, timeout=90)
+    assert len(results) == 4
+    for case in ("tied", "interleaved"):
+        seen = [r[case][0] for r in results]
+        _same_error(seen, 4, "was not complete after accumulate_steps=2 micro-batches")
+        assert [r[case][1] for r in results] == [None] * 4, case

@@ -291,3 +291,34 @@ def clip_arguments_differ(rank, world):
             out[version, overlap] = (errors, spent,
                                      [p.detach().clone() for p in model.parameters()])
     return out, _oracle(STEPS, 0.05)[0]
+
+
+# ---------------------------------------------------------------- incomplete buckets, ends
+
+def incomplete_tied_and_interleaved(rank, world):
+    """pp 2 x sharding 2, pipeline sharding overlap, release on, acc 2: on global rank 3
+    (stage 1) one param gets no grad in micro-batch 1, (a) in a bucket that holds a copy tied
+    across stages (shared_weights), (b) under the interleaved schedule (2 virtual stages).
+    Returns {case: (what train_batch raised, what a second train_batch that uses every param
+    raised)}."""
+    from relgrad_checks.failures import Scale, _SometimesUnused, _mean_loss, _pp_strategy
+    from relgrad_extras.interleave import PipelineParallelWithInterleave
+    out = {}
+    for case in ("tied", "interleaved"):
+        st = _pp_strategy(2, 2, 2, release=True, split_param=True, sharding_comm_overlap=True)
+        hcg = HybridCommunicateGroup(st)
+        if case == "tied":
+            model = PipelineParallel([Scale(), _SometimesUnused(3)], hcg, st, _mean_loss,
+                                     shared_weights=[("0.w", "1.w")])
+        else:
+            st.pp_configs.num_virtual_pipeline_stages = 2
+            model = PipelineParallelWithInterleave(
+                [Scale(), Scale(), Scale(), _SometimesUnused(3)], hcg, st, _mean_loss)
+        opt = DygraphShardingOptimizerV2(torch.optim.SGD(model.parameters(), lr=0.1), hcg, st)
+        data = (torch.ones(4, 1), torch.zeros(4, 1))
+        seen = _caught(model.train_batch, data, opt)
+        for module in model.modules():
+            if isinstance(module, _SometimesUnused):
+                module.rank = -1  # every param used from now on: the next step runs
+        out[case] = (seen, _caught(model.train_batch, data, opt))
+    return out
