@@ -202,6 +202,7 @@ class PipelineParallel(nn.Module):
         uid = torch.tensor([int.from_bytes(os.urandom(5), "little")], device=self._device())
         dist.all_reduce(uid, group=hcg.get_pipe_parallel_group())
         self._uid, self._calls = int(uid), 0
+        self._entered = False  # train_batch agreed at entry: its schedule does not again
         self._p2p_timeout = _group_timeout(hcg.get_pipe_parallel_group())
         self._shared = self._shared_weights(shared_weights, bounds)
         self._grad_clip = None
@@ -403,6 +404,7 @@ class PipelineParallel(nn.Module):
         except (ValueError, TypeError) as error:
             refused = error
         self._agree_at_entry(refused, data)
+        self._entered = True  # the schedule below does not agree again
         self.train()
         try:
             loss = self.forward_backward_pipeline(data)
@@ -568,7 +570,8 @@ class PipelineParallel(nn.Module):
 
         Leaves this stage's grads accumulated over the micro-batches (and, with comm overlap,
         reduced and scaled; tied copies summed over their stages); returns the loss as
-        `train_batch` does and raises as it does.
+        `train_batch` does and raises as it does (called directly, it opens with the same
+        entry agreement, `_enter_schedule`).
 
         Several calls before one step (accumulating over calls): allowed, and exact, only when
         the pipeline itself communicates no grads at the end of a schedule, i.e. without comm
@@ -580,6 +583,7 @@ class PipelineParallel(nn.Module):
         micro-batches in one call instead.
         """
         self._check_accumulation()
+        self._enter_schedule(data)
         inputs, labels = self._micro_batches(data)
         self._round_order, self._first_check_ins, self._fired = [], {}, 0  # _fire_in_order
         self._incomplete = None  # set by _scale_and_agree, read by _broadcast_final_loss
@@ -637,6 +641,16 @@ class PipelineParallel(nn.Module):
                     self._issue_incomplete(buffer)
             self._scale_and_agree(buffers)
         return self._broadcast_final_loss()
+
+    def _enter_schedule(self, data):
+        """A direct call of `forward_backward_pipeline` (not from `train_batch`) opens with
+        the entry agreement that `train_batch` runs (`_agree_at_entry`), so that a batch that
+        does not split or a moved grad on one rank raises on every rank. Beyond Paddle."""
+        if self._entered:
+            self._entered = False
+            return
+        self._calls += 1
+        self._agree_at_entry(None, data)
 
     def _issue_incomplete(self, buffer):
         """Beyond Paddle: issue, with what it holds, the collective of a bucket whose params

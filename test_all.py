@@ -1554,3 +1554,16 @@ def test_incomplete_tied_and_interleaved_buckets_raise_everywhere(ranks):
         seen = [r[case][0] for r in results]
         _same_error(seen, 4, "was not complete after accumulate_steps=2 micro-batches")
         assert [r[case][1] for r in results] == [None] * 4, case
+
+
+def test_direct_schedule_call_agrees_at_entry(ranks):
+    """Check that forward_backward_pipeline called directly with a batch that does not split
+    on one stage (pp 2, plain and interleaved) raises the same ValueError on both ranks within
+    5 s (the group timeout is 20 s), and a good call after it runs."""
+    results = ranks(2).run(scripts.direct_call_bad_batch, timeout=90)
+    assert len(results) == 2
+    for case in ("plain", "interleaved"):
+        _same_error([r[case][0] for r in results], 2, "a batch does not split into "
+                                                      "accumulate_steps micro-batches")
+        assert all(r[case][1] < 5 for r in results), [r[case][1] for r in results]
+        assert [r[case][2] for r in results] == [None, None], case

@@ -322,3 +322,29 @@ def incomplete_tied_and_interleaved(rank, world):
                 module.rank = -1  # every param used from now on: the next step runs
         out[case] = (seen, _caught(model.train_batch, data, opt))
     return out
+
+
+def direct_call_bad_batch(rank, world):
+    """pp 2, acc 2, a group timeout of 20 s, forward_backward_pipeline called directly (no
+    train_batch) with 3 samples on stage 0 and 4 on stage 1 (plain and interleaved, 2
+    virtual stages), then a good call. Returns {case: (what the call raised, seconds it
+    took, what the good call raised)}."""
+    from relgrad_checks.failures import Scale, _mean_loss, _pp_strategy
+    from relgrad_extras.interleave import PipelineParallelWithInterleave
+    out = {}
+    for case in ("plain", "interleaved"):
+        st = _pp_strategy(2, 1, 2)
+        hcg = HybridCommunicateGroup(st, timeout=timedelta(seconds=20))
+        if case == "plain":
+            model = PipelineParallel([Scale(), Scale()], hcg, st, _mean_loss)
+        else:
+            st.pp_configs.num_virtual_pipeline_stages = 2
+            model = PipelineParallelWithInterleave([Scale() for _ in range(4)], hcg, st,
+                                                   _mean_loss)
+        n = 3 if hcg.get_stage_id() == 0 else 4
+        start = time.monotonic()
+        seen = _caught(model.forward_backward_pipeline, (torch.ones(n, 1), torch.zeros(n, 1)))
+        spent = time.monotonic() - start
+        good = _caught(model.forward_backward_pipeline, (torch.ones(4, 1), torch.zeros(4, 1)))
+        out[case] = (seen, spent, good)
+    return out
