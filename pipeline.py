@@ -15,9 +15,12 @@ schedule every buffer is waited and scaled. `_optimizer_step` then steps and, wi
 Phases of a step: warm-up -> steady 1F1B -> cool-down -> wait and scale -> step -> release.
 Beyond Paddle, so that every rank ends with the same clear error in bounded time: a step opens
 with one small all-reduce of flags over the job (`_agree_at_entry`: misuse one stage sees,
-a stage that refused to start, accumulate_steps that differ), p2p waits honour the pipe
-group's timeout and name the stage that did not answer (`_wait_p2p`), and a bucket left
-incomplete on one rank is issued anyway and agreed on after the schedule (`_scale_and_agree`).
+a batch that does not split, a stage that refused to start, accumulate_steps that differ),
+p2p waits honour the pipe group's timeout and name the stage that did not answer
+(`_wait_p2p`), or end within a fraction of a second once a stage has failed in this call
+(`_wait_watching`), and a bucket left incomplete on one rank is issued anyway and agreed
+on after the schedule (`_scale_and_agree`). A Parameter object in two stages' layers
+must be tied with `shared_weights` (`_check_untied_shares`).
 
 Weights tied across stages (`shared_weights`, Paddle's SharedLayerDesc) live in
 `shared_weights/`; global-norm clipping (`grad_clip`) in `grad_clip/`. The interleaved
