@@ -231,6 +231,19 @@ def main_grad_or_grad(param):
     return main_grad if main_grad is not None else param.grad
 
 
+@torch.no_grad()
+def densify_grads(params):
+    """Replace each sparse `main_grad` / `grad` of `params` (nn.Embedding(sparse=True)) by
+    its dense sum, `zeros(param.shape) + grad` in the grad's dtype: what backward leaves in
+    a dense grad, so that per-tensor collectives (which have no sparse kernels on gloo or
+    nccl) reduce it. Beyond Paddle. Returns nothing; dense grads are left as they are."""
+    for p in params:
+        for name in ("main_grad", "grad"):
+            g = getattr(p, name, None)
+            if g is not None and g.layout != torch.strided:
+                setattr(p, name, torch.zeros(g.shape, dtype=g.dtype, device=g.device).add_(g))
+
+
 def sums_in_16_bits(dtype):
     """True for bf16 / fp16: a SUM collective over such grads divides by the ranks first.
 
@@ -530,7 +543,8 @@ class FusedCommBuffer:
         absent, adds `param.grad` (or `main_grad`) into the param's slot and re-points it at the
         slot, shape `param.shape`, so later micro-batches accumulate in place. Does nothing after
         the first check-in. A param without a grad gets its zero slot, as it would have with
-        release off (Paddle fails there), so release on and off stay bitwise equal.
+        release off (Paddle fails there), so release on and off stay bitwise equal; a sparse
+        grad is added into the dense slot, as backward adds it into release off's view.
         """
         # Seed hunk (reconstructed, point 3): allocate if absent, add in, re-point the grad
         if self._params_step_dict[param] > 0:
@@ -547,7 +561,11 @@ class FusedCommBuffer:
         else:
             slot = self._slot(param)
         grad = _grad_of(param, self.use_main_grad)
-        if grad is not None:  # beyond Paddle: a param without a grad keeps its zero slot
+        if grad is not None and grad.layout != torch.strided:
+            # Beyond Paddle: a sparse grad (nn.Embedding(sparse=True)) is added into its
+            # dense slot, as backward adds it into release off's dense view: the same op.
+            slot.view(param.shape).add_(grad)
+        elif grad is not None:  # beyond Paddle: a param without a grad keeps its zero slot
             slot.add_(grad.reshape(-1))  # zeros + add, as Paddle's develop: -0.0 becomes +0.0
         _set_grad(param, self.use_main_grad, slot.view(param.shape))
         self._grads_to_addr[param] = slot.data_ptr()  # [later, PR #64460] for add_grad

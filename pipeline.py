@@ -15,9 +15,12 @@ schedule every buffer is waited and scaled. `_optimizer_step` then steps and, wi
 Phases of a step: warm-up -> steady 1F1B -> cool-down -> wait and scale -> step -> release.
 Beyond Paddle, so that every rank ends with the same clear error in bounded time: a step opens
 with one small all-reduce of flags over the job (`_agree_at_entry`: misuse one stage sees,
-a stage that refused to start, accumulate_steps that differ), p2p waits honour the pipe
-group's timeout and name the stage that did not answer (`_wait_p2p`), and a bucket left
-incomplete on one rank is issued anyway and agreed on after the schedule (`_scale_and_agree`).
+a batch that does not split, a stage that refused to start, accumulate_steps that differ),
+p2p waits honour the pipe group's timeout and name the stage that did not answer
+(`_wait_p2p`), or end within a fraction of a second once a stage has failed in this call
+(`_wait_watching`), and a bucket left incomplete on one rank is issued anyway and agreed
+on after the schedule (`_scale_and_agree`). A Parameter object in two stages' layers
+must be tied with `shared_weights` (`_check_untied_shares`).
 
 Weights tied across stages (`shared_weights`, Paddle's SharedLayerDesc) live in
 `relgrad_extras/shared_weights.py`; global-norm clipping (`grad_clip`) in
@@ -30,6 +33,7 @@ References: Paddle PRs #59739, #58441; Narayanan et al., "Efficient Large-Scale 
 Training on GPU Clusters Using Megatron-LM" (2021); Harlap et al., "PipeDream" (2018).
 """
 import os
+import threading
 import weakref
 from collections import defaultdict
 
@@ -60,11 +64,23 @@ _INCOMPLETE_MSG = (
     "acc times, and its bucket's collective would not be issued). Use every param in each "
     "micro-batch, or freeze (requires_grad=False) the ones you leave out before building "
     "the pipeline. The grads of this step are not usable: the step is not taken")
+_BATCH_MSG = (
+    "train_batch: a batch does not split into accumulate_steps micro-batches (of "
+    "micro_batch_size, if set); a rank that started with it would leave the others waiting "
+    "in its collectives. Pass micro_batch_size * accumulate_steps samples on every rank")
 _ABANDONED = []  # p2p works that timed out: kept, since the backend may still fill their buffers
 
 
 class PipelineStageTimeout(TimeoutError):
     """A stage waited past the pipe group's timeout for another stage (which is named)."""
+
+
+class PipelineStageFailed(Exception):
+    """Another stage of the pipe failed in this train_batch call while this one waited for
+    its p2p message; names that stage and its error (read from the default group's store)."""
+
+
+_WATCH_SECONDS = 0.2  # how often a p2p wait looks in the store for a stage that failed
 
 
 def _group_timeout(group):
@@ -141,7 +157,8 @@ class PipelineParallel(nn.Module):
             them (with comm overlap, their buckets wait for that sum), so they stay equal;
             see `relgrad_extras.shared_weights.SharedWeights` (copy `relgrad_extras/`; without
             it, ties raise ImportError) for the rules and the errors it raises.
-    Raises ValueError for boundaries that do not cover the layers, an overlap config that
+    Raises ValueError for boundaries that do not cover the layers, a Parameter object in
+    the layers of two stages that no tie of `shared_weights` names, an overlap config that
     breaks Paddle's rules (dp_comm_overlap needs dp > 1 and pp > 1, sharding_comm_overlap
     needs sharding > 1 and pp > 1, not both), or pp_configs.num_virtual_pipeline_stages > 1
     (that is `PipelineParallelWithInterleave`); under nccl, on every stage, for params on a
@@ -167,7 +184,9 @@ class PipelineParallel(nn.Module):
         # Before any communication, so that a bad config raises on every rank alike.
         self._check_virtual_stages(getattr(pp_configs, "num_virtual_pipeline_stages", 1))
         self._comm_overlap = self._dp_comm_overlap or self._sharding_comm_overlap
-        self._layers, bounds = self._build_layers(list(layers), seg_boundaries)
+        layers = list(layers)
+        self._layers, bounds = self._build_layers(layers, seg_boundaries)
+        self._check_untied_shares(layers, bounds, shared_weights)
 
         self._chunk_2_comm_buffers = defaultdict(list)
         self._sharding_hooks_registered = False
@@ -189,6 +208,7 @@ class PipelineParallel(nn.Module):
         uid = torch.tensor([int.from_bytes(os.urandom(5), "little")], device=self._device())
         dist.all_reduce(uid, group=hcg.get_pipe_parallel_group())
         self._uid, self._calls = int(uid), 0
+        self._entered = False  # train_batch agreed at entry: its schedule does not again
         self._p2p_timeout = _group_timeout(hcg.get_pipe_parallel_group())
         self._shared = self._shared_weights(shared_weights, bounds)
         self._grad_clip = None
@@ -217,6 +237,34 @@ class PipelineParallel(nn.Module):
             raise ValueError(f"pp_configs.num_virtual_pipeline_stages={num_virtual_stages} "
                              "needs the interleaved schedule: build PipelineParallelWithInterleave"
                              " (relgrad_extras.interleave); PipelineParallel runs 1 chunk")
+
+    def _check_untied_shares(self, layers, bounds, shared_weights):
+        """Beyond Paddle: raise ValueError (on every rank: each holds the whole layer list)
+        for a Parameter object that appears in the layers of two stages without a tie in
+        `shared_weights` naming both (e.g. an embedding and an LM head tied inside one
+        model, then cut across stages): each stage would train its own copy, and the copies
+        drift apart silently. Layers given as LayerDescs (callables) are not seen here."""
+        tied = [set(tie) for tie in shared_weights or ()]
+        chunks = len(bounds) - 1
+        first, problems = {}, []
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, nn.Module):
+                continue
+            chunk = max(c for c in range(chunks) if bounds[c] <= i < bounds[c + 1])
+            stage = chunk % self.num_stages  # virtual stages: chunk c runs on stage c % pp
+            for name, p in layer.named_parameters():
+                name = f"{i}.{name}"
+                seen = first.setdefault(id(p), (name, stage))
+                if seen[1] != stage and not any({seen[0], name} <= tie for tie in tied):
+                    problems.append((seen, (name, stage)))
+        if problems:
+            (a, sa), (b, sb) = problems[0]
+            raise ValueError(
+                f"one Parameter object is '{a}' on stage {sa} and '{b}' on stage {sb} "
+                f"({len(problems)} such pair(s)): each stage would train its own copy and "
+                "the copies would drift apart. Tie them with "
+                f"PipelineParallel(..., shared_weights=[({a!r}, {b!r})]) (their grads are "
+                "then summed over the stages), or give the layers separate params")
 
     def _shared_weights(self, shared_weights, bounds):
         if shared_weights is None:
@@ -339,11 +387,12 @@ class PipelineParallel(nn.Module):
 
         Every rank of the pipe passes the same batch; stage 0 reads the inputs, the last
         stage the labels. Returns the loss averaged over micro-batches (0-d fp32 tensor), the
-        same on every rank of this pipe. Raises ValueError if the batch does not split into
-        `accumulate_steps` micro-batches (of `micro_batch_size`, if set). Beyond Paddle,
-        raises ValueError on every rank of the job, before any p2p, for a grad that left its
-        fused buffer (release off), an error `_prepare_training` raised on some rank, or
-        accumulate_steps that differ across ranks; after the schedule, for a bucket that was
+        same on every rank of this pipe. Beyond Paddle, raises ValueError on every rank of
+        the job, before any p2p or collective of the step, if the batch of some rank does
+        not split into `accumulate_steps` micro-batches (of `micro_batch_size`, if set), for
+        a grad that left its fused buffer (release off), an error `_prepare_training` raised
+        on some rank, or accumulate_steps that differ across ranks; after the schedule, for
+        a bucket that was
         incomplete on some rank; PipelineStageTimeout (a TimeoutError) when another stage
         does not answer within the pipe group's timeout, naming it and the error it left.
 
@@ -363,7 +412,8 @@ class PipelineParallel(nn.Module):
             refused = None
         except (ValueError, TypeError) as error:
             refused = error
-        self._agree_at_entry(refused)
+        self._agree_at_entry(refused, data)
+        self._entered = True  # the schedule below does not agree again
         self.train()
         try:
             loss = self.forward_backward_pipeline(data)
@@ -385,28 +435,32 @@ class PipelineParallel(nn.Module):
             groups.append(hcg.get_data_parallel_group())
         return groups
 
-    def _stage_local_problems(self):
+    def _stage_local_problems(self, data=None):
         """Misuse that only this stage can see, as `(rule, detail)` pairs for `agree`.
 
         Beyond Paddle, whose buffers assert it in the backward hook (on that stage alone,
         while the other stages wait in a p2p receive): with release off, every grad of a
-        fused buffer must still be the view of its slot when a step starts.
+        fused buffer must still be the view of its slot when a step starts. Also beyond
+        Paddle, which raises on that rank alone: a batch `data` that does not split into
+        the micro-batches (a dp / sharding replica given another batch size than its peers).
         """
         moved = []
         for buffers in self._chunk_2_comm_buffers.values():
             for buffer in buffers:
                 moved += buffer._moved_grads()
-        return [(_MOVED_GRAD_MSG, ", ".join(moved) or None)]
+        batch = None if data is None else self._batch_problem(data)
+        return [(_MOVED_GRAD_MSG, ", ".join(moved) or None), (_BATCH_MSG, batch)]
 
-    def _agree_at_entry(self, refused=None):
+    def _agree_at_entry(self, refused=None, data=None):
         """Beyond Paddle: before any p2p of a step, raise on every rank of the job the misuse
         any stage sees (`_stage_local_problems`), an error that `_prepare_training` raised
-        on some rank (`refused`: a config or buffer that one stage finds wrong), and
+        on some rank (`refused`: a config or buffer that one stage finds wrong), a batch
+        `data` that does not split into micro-batches on some rank, and
         accumulate_steps that differ across ranks (a rank with fewer micro-batches would
         leave its peers' bucket collectives unmatched), with one small all-reduce per group
         (and, if some rank refused, one more naming it). A stage that never arrives fails
         the others at the group timeout, named."""
-        rules = self._stage_local_problems()
+        rules = self._stage_local_problems(data)
         acc = self.accumulate_steps
         flags = torch.tensor([int(d is not None) for _, d in rules]
                              + [int(refused is not None), acc, acc * acc, 1],
@@ -525,7 +579,8 @@ class PipelineParallel(nn.Module):
 
         Leaves this stage's grads accumulated over the micro-batches (and, with comm overlap,
         reduced and scaled; tied copies summed over their stages); returns the loss as
-        `train_batch` does and raises as it does.
+        `train_batch` does and raises as it does (called directly, it opens with the same
+        entry agreement, `_enter_schedule`).
 
         Several calls before one step (accumulating over calls): allowed, and exact, only when
         the pipeline itself communicates no grads at the end of a schedule, i.e. without comm
@@ -537,6 +592,7 @@ class PipelineParallel(nn.Module):
         micro-batches in one call instead.
         """
         self._check_accumulation()
+        self._enter_schedule(data)
         inputs, labels = self._micro_batches(data)
         self._round_order, self._first_check_ins, self._fired = [], {}, 0  # _fire_in_order
         self._incomplete = None  # set by _scale_and_agree, read by _broadcast_final_loss
@@ -595,6 +651,16 @@ class PipelineParallel(nn.Module):
             self._scale_and_agree(buffers)
         return self._broadcast_final_loss()
 
+    def _enter_schedule(self, data):
+        """A direct call of `forward_backward_pipeline` (not from `train_batch`) opens with
+        the entry agreement that `train_batch` runs (`_agree_at_entry`), so that a batch that
+        does not split or a moved grad on one rank raises on every rank. Beyond Paddle."""
+        if self._entered:
+            self._entered = False
+            return
+        self._calls += 1
+        self._agree_at_entry(None, data)
+
     def _issue_incomplete(self, buffer):
         """Beyond Paddle: issue, with what it holds, the collective of a bucket whose params
         did not all check in every micro-batch on this rank (a param without a grad in some
@@ -646,15 +712,26 @@ class PipelineParallel(nn.Module):
         self._total_loss /= self.accumulate_steps
         return self._broadcast_final_loss(scaled=True)
 
-    def _micro_batches(self, data):
-        inputs, labels = data
-        batch, acc = inputs.shape[0], self.accumulate_steps
+    def _batch_problem(self, data):
+        """What is wrong with `data` as this step's batch (a str), or None."""
+        try:
+            inputs, labels = data
+            batch = inputs.shape[0]
+        except (TypeError, ValueError, AttributeError, IndexError):
+            return (f"data must be (inputs, labels), tensors with the batch on dim 0; got "
+                    f"{type(data).__name__}")
+        acc = self.accumulate_steps
         if batch % acc or (self.micro_batch_size and batch != self.micro_batch_size * acc):
-            raise ValueError(f"a batch of {batch} samples does not split into accumulate_steps="
-                             f"{acc} micro-batches of micro_batch_size="
-                             f"{self.micro_batch_size or 'batch/acc'}; pass "
-                             f"micro_batch_size * accumulate_steps samples")
-        return inputs.chunk(acc), labels.chunk(acc)
+            return (f"a batch of {batch} samples does not split into accumulate_steps={acc} "
+                    f"micro-batches of micro_batch_size={self.micro_batch_size or 'batch/acc'}")
+        return None
+
+    def _micro_batches(self, data):
+        problem = self._batch_problem(data)
+        if problem is not None:
+            raise ValueError(f"{problem}; pass micro_batch_size * accumulate_steps samples")
+        inputs, labels = data
+        return inputs.chunk(self.accumulate_steps), labels.chunk(self.accumulate_steps)
 
     def _forward_step(self, x, label, k):
         self.schedule_trace.append(("F", k))
@@ -830,14 +907,15 @@ class PipelineParallel(nn.Module):
         would end the process instead of raising). Beyond Paddle.
 
         Raises PipelineStageTimeout (a TimeoutError) naming the peer's stage and, if that
-        stage (or another) failed in this train_batch call, its error. The timed-out op is
-        left pending (it cannot be cancelled): the pipeline is not usable afterwards.
+        stage (or another) failed in this train_batch call, its error; PipelineStageFailed
+        as soon as another stage failed in this call (`_wait_watching`). The timed-out op
+        is left pending (it cannot be cancelled): the pipeline is not usable afterwards.
         """
         timeout = self._p2p_timeout
         peers = peers if len(peers) == len(works) else [None] * len(works)
         for work, peer in zip(works, peers):
             try:
-                work.wait(timeout)
+                self._wait_watching(work, timeout)
             except RuntimeError as error:
                 if not is_timeout_error(error):
                     raise
@@ -846,6 +924,50 @@ class PipelineParallel(nn.Module):
                           if peer in (None, self._hcg.get_rank_from_stage(s))]
                 raise self._stage_timeout(f"stage(s) {stages} did not answer a p2p message",
                                           stages) from error
+
+    def _wait_watching(self, work, timeout):
+        """`work.wait(timeout)` (gloo), looking in the store every `_WATCH_SECONDS` while
+        it runs for a stage that failed in this train_batch call (`_post_failure`). Beyond
+        Paddle. gloo cannot cut a wait short (a wait that times out closes the connection),
+        so the wait runs in a thread of its own, and this one raises PipelineStageFailed
+        naming the stage and its error once one is there: the others learn
+        of a failure within a fraction of a second, not at the group timeout. The abandoned
+        wait ends at the timeout; the pipeline is not usable afterwards, as after a timeout.
+        """
+        done, caught = threading.Event(), []
+
+        def wait():
+            try:
+                work.wait(timeout)
+            except BaseException as error:  # noqa: BLE001 (re-raised by the caller's thread)
+                caught.append(error)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, daemon=True).start()
+        while not done.wait(_WATCH_SECONDS):
+            failed = self._failed_stages()
+            if failed:
+                _ABANDONED.append(work)  # gloo must not free a buffer it may still fill
+                raise PipelineStageFailed(
+                    f"stage {self.stage_id} (global rank {dist.get_rank()}): while it waited "
+                    f"for a p2p message, {'; '.join(failed)} (see its traceback)")
+        if caught:
+            raise caught[0]
+        # Once more on this thread, which returns at once: on nccl a wait also orders this
+        # thread's current stream after the op, which the helper thread's wait did not.
+        work.wait(timeout)
+
+    def _failed_stages(self):
+        """`stage s (global rank r) failed with ...` for each other stage that left an
+        error in this train_batch call (`_post_failure`)."""
+        failed = []
+        for s in range(self.num_stages):
+            note = self._store_get(f"failed{s}") if s != self.stage_id else None
+            if note and note.split("|", 1)[0] == str(self._calls):
+                failed.append(f"stage {s} (global rank {self._hcg.get_rank_from_stage(s)}) "
+                              f"failed with {note.split('|', 1)[1]}")
+        return failed
 
     def _meta(self, t):
         if t.dim() > _META_LEN - 2 or t.dtype not in _DTYPES:

@@ -33,6 +33,7 @@ import importlib
 import inspect
 import math
 import weakref
+import zlib
 from collections import OrderedDict
 
 import torch
@@ -40,8 +41,8 @@ import torch.distributed as dist
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _share_param_buffer,
                          all_reduce_mean, assign_group_by_size, bw_hook_func,
-                         check_current_device, global_rank, main_grad_or_grad as _grad,
-                         share_comm_queue)
+                         check_current_device, densify_grads, global_rank,
+                         main_grad_or_grad as _grad, share_comm_queue)
 
 
 # ============================================================================================
@@ -198,10 +199,10 @@ _clear = clear_grad_func
 #
 # Used by `sharding.py` (v1 / v2 `step()`) and `pipeline.py` (`_optimizer_step`'s dp all-reduce).
 
-def agree(has_grad, rules, groups, device):
+def agree(has_grad, rules, groups, device, same=None):
     """Sum `[rule flags..., has_grad flags...]` (1-D int32, len(rules) + len(has_grad)
-    elements, 0 / 1 each) over each of `groups` in turn: one small all-reduce per group.
-    Not in Paddle (see the module docstring).
+    elements, 0 / 1 each; with `same`, 3 more) over each of `groups` in turn: one small
+    all-reduce per group. Not in Paddle (see the module docstring).
 
     Args:
         has_grad: list of bool, one per param (this rank holds a grad for it).
@@ -209,11 +210,18 @@ def agree(has_grad, rules, groups, device):
             what this rank saw (str) or None if it saw nothing wrong.
         groups: process groups to sum over, in order (e.g. sharding, then dp); None = WORLD.
         device: where the flags tensor lives (the params' device: nccl needs cuda).
+        same: None, or `(rule, code, detail)`: `code` an int in [0, 4096) that must be the
+            same on every rank (e.g. which call opened the step, with which arguments);
+            `detail` what this rank's code stands for. Summed as code, code^2 and 1: all
+            codes are equal iff (sum code)^2 == ranks * sum code^2.
     Returns a list of bool, one per param: some rank of `groups` has a grad for it.
     Raises ValueError on every rank of `groups` for the first rule any rank saw, with this
-    rank's detail when it saw it.
+    rank's detail when it saw it, then for codes that differ.
     """
     local = [int(detail is not None) for _, detail in rules] + [int(h) for h in has_grad]
+    if same is not None:
+        assert 0 <= same[1] < 4096, same  # the square sum stays within int32
+        local += [same[1], same[1] * same[1], 1]
     flags = torch.tensor(local, dtype=torch.int32, device=device)
     for group in groups:
         dist.all_reduce(flags, group=group)
@@ -222,6 +230,10 @@ def agree(has_grad, rules, groups, device):
         if count:
             here = f"; on this rank: {detail}" if detail is not None else ""
             raise ValueError(f"{rule} (seen on {count} rank(s) of the group{here})")
+    if same is not None:
+        (total, squares, n), counts = counts[-3:], counts[:-3]
+        if total * total != squares * n:
+            raise ValueError(f"{same[0]} (here: {same[2]})")
     return [c > 0 for c in counts[len(rules):]]
 
 
@@ -253,6 +265,7 @@ def agreed_all_reduce_mean(params, group):
     params = list(params)
     if not params:
         return
+    densify_grads(params)  # sparse grads: dense sums, as a dense grad would hold
     anywhere = agree([_grad(p) is not None for p in params], [], [group], params[0].device)
     fill_missing_grads(params, anywhere)
     all_reduce_mean([_grad(p) for p, a in zip(params, anywhere) if a], group)
@@ -896,6 +909,25 @@ class _OwnOverlap:
                     buffer._copy_grad_to_buffer(p)
             buffer._comm_grads()
 
+    def _in_flight(self):
+        """comm_overlap: True if this step's bucket collectives have started on this rank (a
+        bucket issued, done or not): backward ran its last pass and step() has not yet
+        waited for them."""
+        return self.comm_overlap and any(b._task is not None for b in self._own_buffers())
+
+    def _settle_own_buffers(self):
+        """comm_overlap: issue the buckets this rank has not issued (`_issue_late_buckets`,
+        so that the peers' collectives are matched), wait for every collective in flight,
+        and reset the check-ins and the firing order: the buffers are as a fresh step needs
+        them (their values are this step's, to be cleared). Beyond Paddle."""
+        if not self.comm_overlap:
+            return
+        self._issue_late_buckets()
+        for buffer in self._own_buffers():
+            buffer._task.wait()
+            buffer._reset_params_checked_in()
+        self._reset_check_in_order()
+
     def _wait_own_buffers(self, buffers):
         """comm_overlap: at step(), wait for and scale every bucket the hooks reduced.
 
@@ -1019,6 +1051,12 @@ _MAIN_GRAD_MSG = ("a param's main_grad does not match its bucket (which reads ma
                   "params had one when DygraphShardingOptimizerV2 was built): "
                   "register_main_grad_hooks ran on some params only, or after the optimizer was "
                   "built. Register them on every param, before building the optimizer")
+_IN_FLIGHT_MSG = (
+    "zero_grad() / clear_grad() ran between backward and step() while "
+    "sharding_configs.comm_overlap's collectives of this step were in flight: it waited for "
+    "them and cleared this step's grads and check-ins, so this step is lost (nothing is "
+    "stepped). Clear grads after step() (or before backward); the optimizer is ready for the "
+    "next backward and step()")
 _NO_GRAD_MSG = ("no param has a grad on any rank at step(): did zero_grad() run between backward "
                 "and step()? Clear grads after step(). Or were the model's params replaced "
                 "after the optimizer was built (model.load_state_dict(..., assign=True), "
@@ -1044,6 +1082,44 @@ def _check_grad_clip(grad_clip):
                         f"{type(grad_clip).__name__}; for torch's clip_grad_norm_ call "
                         "opt.clip_grad_norm_(max_norm) between backward and opt.step()")
     return grad_clip
+
+
+_ENTRY_MSG = ("the sharding optimizer: every rank of the sharding (and dp) group must open "
+              "a step alike, all with opt.clip_grad_norm_(...) with the same arguments, or all "
+              "with step() without it; the ranks differ")
+
+
+def _entry_code(entry):
+    """`agree`'s `same` for how a rank opened the step: `entry` None (step()) or the
+    arguments of clip_grad_norm_, hashed into [1, 4096)."""
+    if entry is None:
+        return _ENTRY_MSG, 0, "step() without clip_grad_norm_"
+    name, *args = entry
+    text = f"{name}({', '.join(map(repr, args))})"
+    return _ENTRY_MSG, 1 + zlib.crc32(text.encode()) % 4095, text
+
+
+def _clip_rules(args=None, grad_clip=None):
+    """clip_grad_norm_'s argument checks as `(rule, detail)` pairs for `agree`, on
+    `args = (max_norm, norm_type)`; None (step() without it): the same rules, unseen. Every
+    step passes them, so that the flags have one length on every rank."""
+    bad_norm = bad_type = False
+    if args is not None:
+        max_norm, norm_type = args
+        bad_norm = isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or (
+            not (math.isfinite(max_norm) and max_norm > 0))
+        try:
+            bad_type = float(norm_type) != 2.0
+        except (TypeError, ValueError):
+            bad_type = True
+    return [("clip_grad_norm_: max_norm must be a finite number > 0; pass e.g. "
+             "opt.clip_grad_norm_(1.0)", f"max_norm={args[0]!r}" if bad_norm else None),
+            ("clip_grad_norm_: only norm_type=2 (the L2 norm) is supported over sharded grads",
+             f"norm_type={args[1]!r}" if bad_type else None),
+            ("clip_grad_norm_ on an optimizer built with grad_clip= would clip twice; use "
+             "one of them",
+             f"grad_clip={grad_clip!r}" if args is not None and grad_clip is not None
+             else None)]
 
 
 def _first_difference(a, b):
@@ -1096,6 +1172,7 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         # fleet.distributed_model broadcasts them; a template without state; then
         # sharding_configs.comm_overlap / free_grads_in_comm, later Paddle features.
         self._reduced = False  # grads reduced by a step() and not cleared since
+        self._agreement_failed = False  # step()'s agreement raised since the last clear_grad
         self._grads_ready = False  # clip_grad_norm_ ran step()'s first half; step() next
         self._agree_on_setup(optimizer, strategy)
         self._broadcast_params()
@@ -1249,20 +1326,13 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         RuntimeError (on every rank: the norm is the same everywhere) for a non-finite norm
         with `error_if_nonfinite`; and what `step()` raises for the grads (on every rank).
         """
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
-                math.isfinite(max_norm) and max_norm > 0):
-            raise ValueError(f"clip_grad_norm_: max_norm must be a finite number > 0, got "
-                             f"{max_norm!r}; pass e.g. opt.clip_grad_norm_(1.0)")
-        if float(norm_type) != 2.0:
-            raise ValueError(f"clip_grad_norm_: only norm_type=2 (the L2 norm) is supported "
-                             f"over sharded grads, got {norm_type!r}")
-        if self._grad_clip is not None:
-            raise ValueError(f"clip_grad_norm_ on an optimizer built with grad_clip="
-                             f"{self._grad_clip!r} would clip twice; use one of them")
         if self._grads_ready:
             raise RuntimeError("clip_grad_norm_ ran twice before step(); call it once per "
                                "step, between backward and step()")
-        self._reduce_for_step()
+        # Beyond torch: the checks join step()'s agreement, so that a rank with other
+        # arguments raises with the others instead of leaving them in that agreement.
+        self._reduce_for_step(("clip_grad_norm_", max_norm, norm_type, error_if_nonfinite),
+                              _clip_rules((max_norm, norm_type), self._grad_clip))
         self._grads_ready = True
         norm = clip_grads_by_global_norm(self._clip_pairs(), max_norm, norm_groups(self._hcg),
                                          self._flags_device(), coefficient="torch")
@@ -1271,20 +1341,41 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
                                ", non-finite; pass error_if_nonfinite=False to clip anyway")
         return norm
 
-    def _agree_grads(self, has_grad, rules):
+    def _agree_grads(self, has_grad, rules, entry=None):
         """Beyond Paddle: agree on every rank of the sharding (and dp) group, in one small
         all-reduce per group, on the misuse `rules` (raised on every rank, see
         `agree`) and on which params have a grad anywhere; give the others a
         zero grad here, so that every rank issues the same reduces. Returns the agreed flags,
         one per `_parameter_list` entry. Raises ValueError if no trainable param has a grad
-        on any rank (Paddle's v2 fails there too; torch would silently step nothing)."""
+        on any rank (Paddle's v2 fails there too; torch would silently step nothing), and if
+        the ranks opened the step differently (`entry`: None for step(), the arguments of
+        clip_grad_norm_ for it; `_entry_code`)."""
         params = self._parameter_list
-        anywhere = agree(has_grad, rules, self._flag_groups(), self._flags_device())
-        if any(p.requires_grad for p in params) and not any(anywhere):
-            raise ValueError(_NO_GRAD_MSG)
+        try:
+            anywhere = agree(has_grad, rules, self._flag_groups(), self._flags_device(),
+                             _entry_code(entry))
+            if any(p.requires_grad for p in params) and not any(anywhere):
+                raise ValueError(_NO_GRAD_MSG)
+        except ValueError:  # raised on every rank; the buckets stay as they are, so that
+            self._agreement_failed = True  # a step() retried after a fix can still use them
+            raise
         if not self._grads_freed_in_backward:  # else freed on purpose
             fill_missing_grads(params, anywhere)
         return anywhere
+
+    def _settle_for_clear(self):
+        """Beyond Paddle, first in `clear_grad` (v1, v2): wait for this step's own-overlap
+        collectives in flight (`_settle_own_buffers`), then forget the step's misuse flags and
+        comm_overlap's bucket order. Returns True if clear_grad must raise `_IN_FLIGHT_MSG`
+        once it has cleared: collectives were in flight and step() had not already raised for
+        this step (then clearing is what its error asked for)."""
+        in_flight = self._in_flight() and not self._agreement_failed
+        if self._in_flight():
+            self._settle_own_buffers()
+        self._agreement_failed = False
+        self._reduced = self._grads_ready = False
+        self._reset_check_in_order()
+        return in_flight
 
 
 class DygraphShardingOptimizer(_Sharding):
@@ -1374,6 +1465,7 @@ class DygraphShardingOptimizer(_Sharding):
             self._wait_own_buffers(self._comm_buffers)
             return
         works = []
+        densify_grads(parameter_list)  # sparse grads: c10d has no sparse reduce
         for p in parameter_list:
             g = _grad(p)
             if g is not None:  # the same params on every rank: step() agreed on them first
@@ -1433,12 +1525,13 @@ class DygraphShardingOptimizer(_Sharding):
         for work in works:
             work.wait()
 
-    def _reduce_for_step(self):
-        """The first half of `step()` (also run by `clip_grad_norm_`): agree, reduce to the
+    def _reduce_for_step(self, entry=None, rules=None):
+        """The first half of `step()` (also run by `clip_grad_norm_`, with its arguments as
+        `entry` and its argument checks as `rules`, `_clip_rules`): agree, reduce to the
         owners, dp all-reduce. The owned grads are reduced and final afterwards."""
         if self.comm_overlap:  # before any collective of step(): match every rank's buckets
             self._issue_late_buckets()
-        anywhere = self._agree_grads(self._has_grad(), [])
+        anywhere = self._agree_grads(self._has_grad(), rules or _clip_rules(), entry)
         for p, some_rank in zip(self._parameter_list, anywhere):
             if not some_rank:  # a zeroed grad nobody wrote: not stepped (torch: None)
                 _clear(p, set_to_zero=False)
@@ -1456,13 +1549,13 @@ class DygraphShardingOptimizer(_Sharding):
         Beyond Paddle's v1: while fused buffers (the pipeline's, or its own with comm_overlap)
         hold the grads and release is off, dropping them would detach them from the buffer, so
         `set_to_zero=False` raises ValueError as v2 does. With release and comm_overlap, its
-        own buffers are freed here, as v2's are.
+        own buffers are freed here, as v2's are. Between backward and step() under
+        comm_overlap (collectives in flight) it waits, clears and raises ValueError, as v2.
         """
         if (not set_to_zero and (self.pp_overlap or self.comm_overlap)
                 and not self._buffers_released):
             raise ValueError(_ERASE_MSG)
-        self._reduced = self._grads_ready = False
-        self._reset_check_in_order()
+        in_flight = self._settle_for_clear()  # beyond Paddle (skip when reading the seed)
         for p in self._parameter_list:
             _clear(p, set_to_zero)
         if self.pp_release_grads:
@@ -1472,6 +1565,8 @@ class DygraphShardingOptimizer(_Sharding):
         # grads are buffer views, never None, and v2 must not step them: same rule here).
         self._zeroed = {id(p): (id(g), g._version) for p in self._parameter_list
                         if (g := _grad(p)) is not None}
+        if in_flight:
+            raise ValueError(_IN_FLIGHT_MSG)
 
     def _has_grad(self):
         """Per param: this rank has a grad that backward (or the user) wrote since the last
@@ -1602,17 +1697,16 @@ class DygraphShardingOptimizerV2(_Sharding):
         With release off, `set_to_zero=False` raises ValueError ("should not erase grad
         buffer"). With release on, slice params' grads are dropped too: Paddle's
         `_clear_dataptr` on `_slice_grad` frees them; in torch a stale view would keep the
-        freed buffer alive.
+        freed buffer alive. Beyond Paddle, with comm_overlap between backward and step()
+        (collectives in flight): waits for them, clears as above with the check-ins reset,
+        then raises ValueError (`_IN_FLIGHT_MSG`, on every rank that ran the backward).
         """
         # Seed hunk: the "should not erase grad buffer" assert holds only with release off.
         # (Under pipeline overlap the pipeline's buffers follow the PP flag alone.)
         if not self._buffers_released and not set_to_zero:
             raise ValueError(_ERASE_MSG)
-        # Beyond Paddle (skip when reading the seed): forget this step's misuse flags,
-        # comm_overlap's bucket order and the params backward reached.
-        self._reduced = self._grads_ready = False
-        self._reset_check_in_order()
-        self._produced.clear()
+        in_flight = self._settle_for_clear()  # beyond Paddle (skip when reading the seed)
+        self._produced.clear()  # beyond Paddle: the params backward reached this step
         for p in self._parameter_list:
             _clear(p, set_to_zero)  # Paddle's clear_grad_func
         if self.pp_release_grads:  # beyond Paddle: a stale slice grad would pin the buffer
@@ -1623,6 +1717,8 @@ class DygraphShardingOptimizerV2(_Sharding):
         if self.pp_release_grads and not self.pp_overlap:
             for comm_buffer in self._comm_buffer_list:
                 comm_buffer._clear_grad_storage()
+        if in_flight:
+            raise ValueError(_IN_FLIGHT_MSG)
 
     def _collect_comm_buffers(self):
         if self._comm_buffer_list:
@@ -1633,7 +1729,11 @@ class DygraphShardingOptimizerV2(_Sharding):
                 del p.comm_buffer_ref
                 if ref() is not None:
                     self._comm_buffer_list.append(ref())
-        if not self._comm_buffer_list:
+        # No buffers without pipeline overlap: no param was trainable at construction
+        # (`_misuse_rules` names one unfrozen since). None under it for a stage whose params
+        # are all frozen: nothing to step. Either way step() goes on and steps nothing.
+        trainable = any(p.requires_grad for p in self._parameter_list)
+        if not self._comm_buffer_list and self.pp_overlap and trainable:
             raise RuntimeError("sharding v2 found no REDUCE_SCATTER buffers: with "
                                "pp_configs.sharding_comm_overlap the pipeline builds them in "
                                "its first train_batch; step() must run inside train_batch")
@@ -1671,7 +1771,10 @@ class DygraphShardingOptimizerV2(_Sharding):
         for param in comm_buffer.params:
             slot = comm_buffer._sharding_param_grad_view[param]._slice_grad_from_buffer()
             grad = _grad_of(param, comm_buffer.use_main_grad)
-            if grad is None or grad.data_ptr() != slot.data_ptr():
+            if grad is not None and grad.layout != torch.strided:  # sparse: into the slot
+                slot.zero_().view(param.shape).add_(grad)
+                _set_grad(param, comm_buffer.use_main_grad, slot.view(param.shape))
+            elif grad is None or grad.data_ptr() != slot.data_ptr():
                 slot.zero_() if grad is None else slot.copy_(grad.reshape(-1))
                 _set_grad(param, comm_buffer.use_main_grad, slot.view(param.shape))
 
@@ -1703,14 +1806,15 @@ class DygraphShardingOptimizerV2(_Sharding):
         for comm_buffer in self._comm_buffer_list:  # _sharding_sync_parameters
             comm_buffer.sync_params()
 
-    def _reduce_for_step(self):
-        """The first half of `step()` (also run by `clip_grad_norm_`): agree, reduce-scatter,
-        bind the slices, dp all-reduce. The slice grads are reduced and final afterwards."""
+    def _reduce_for_step(self, entry=None, rules=None):
+        """The first half of `step()` (also run by `clip_grad_norm_`, with `entry` and
+        `rules` as v1's): agree, reduce-scatter, bind the slices, dp all-reduce. The slice
+        grads are reduced and final afterwards."""
         self._collect_comm_buffers()
         if self.comm_overlap:  # before any collective of step(): match every rank's buckets
             self._issue_late_buckets()
-        rules = self._misuse_rules()
-        anywhere = self._agree_grads(self._has_grad(), rules)
+        rules = (rules or _clip_rules()) + self._misuse_rules()
+        anywhere = self._agree_grads(self._has_grad(), rules, entry)
         self._begin_step()
         self.reduce_gradients(self._parameter_list, self._hcg)
         self._assign_slice_grad()
@@ -1739,8 +1843,8 @@ class DygraphShardingOptimizerV2(_Sharding):
             for p in buf.params if storage is not None else ():
                 index = buf._sharding_param_grad_view[p]._index
                 grad = _grad_of(p, buf.use_main_grad)
-                if grad is not None and grad.data_ptr() == (storage.data_ptr()
-                                                             + index * storage.element_size()):
+                if grad is not None and grad.layout == torch.strided and grad.data_ptr() == (
+                        storage.data_ptr() + index * storage.element_size()):
                     linked.add(id(p))
         return [id(p) in self._produced or (_grad(p) is not None and id(p) not in linked)
                 for p in self._parameter_list]

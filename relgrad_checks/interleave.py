@@ -141,6 +141,7 @@ def _probe(collectives, release, fires_at, overlap):
         collectives.clear()
         try:
             model._prepare_training(opt, None)
+            model._entered = True  # as train_batch: no entry agreement in the spied window
             model.train()
             loss = model.forward_backward_pipeline(data)
         finally:

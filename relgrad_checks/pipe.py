@@ -101,6 +101,7 @@ def _release_probe(collectives, release, overlap):
         collectives.clear()
         try:
             model._prepare_training(opt, None)
+            model._entered = True  # as train_batch: no entry agreement in the spied window
             model.train()
             loss = model.forward_backward_pipeline(data)
             buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]

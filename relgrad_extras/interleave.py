@@ -164,6 +164,7 @@ class PipelineParallelWithInterleave(PipelineParallel):
         """
         if not forward_only:
             self._check_accumulation()  # a second call before the step: as PipelineParallel
+            self._enter_schedule(data)  # a direct call agrees at entry, as train_batch does
         inputs, labels = self._micro_batches(data)
         stages, chunks, acc = self.num_stages, self.num_model_chunks, self.accumulate_steps
         first, last = self.stage_id == 0, self.stage_id == stages - 1

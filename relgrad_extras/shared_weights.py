@@ -207,8 +207,10 @@ class SharedWeights:
     @torch.no_grad()
     def allreduce_shared_weight_gradients(self):
         """Sum each tied copy's grad (main_grad if set) over its group, then fire the held
-        buckets' collectives (wait and scale stay with the caller). A copy without a grad
-        (unused on this stage) joins with zeros and then steps on the others' grad."""
+        buckets' collectives (wait and scale stay with the caller; a bucket incomplete on this
+        rank is issued with what it holds, for the caller's agreement to raise on every rank).
+        A copy without a grad (unused on this stage) joins with zeros and then steps on the
+        others' grad."""
         for param, group in self._comm:
             grad = _grad(param)
             if grad is None:
@@ -220,4 +222,14 @@ class SharedWeights:
                     param.grad = grad
             dist.all_reduce(grad, group=group)
         for buffer in self.held_buffers:
-            buffer.comm_grads()
+            if buffer._all_params_checked_in:
+                buffer.comm_grads()
+                continue
+            # Incomplete here (a param without a grad in some micro-batch): issued with what
+            # it holds, at its place, as PipelineParallel._issue_incomplete does, so that the
+            # peers' collective is matched; the pipeline's agreement after the schedule then
+            # raises on every rank.
+            for p in buffer.params:
+                if buffer._release_grads and buffer._params_step_dict.get(p) == 0:
+                    buffer._copy_grad_to_buffer(p)
+            buffer._comm_grads()
