@@ -954,9 +954,9 @@ class PipelineParallel(nn.Module):
                     f"for a p2p message, {'; '.join(failed)} (see its traceback)")
         if caught:
             raise caught[0]
-        # Once more on this thread, which returns at once: on nccl a wait also orders this
-        # thread's current stream after the op, which the helper thread's wait did not.
-        work.wait(timeout)
+        # No second wait on this thread: gloo's p2p wait is not idempotent (it would block for
+        # another message). On nccl, wait(timeout) blocks the host until the op is done, so
+        # what this thread enqueues next, on any stream, runs after it.
 
     def _failed_stages(self):
         """`stage s (global rank r) failed with ...` for each other stage that left an
