@@ -33,6 +33,7 @@ References: Paddle PRs #59739, #58441; Narayanan et al., "Efficient Large-Scale 
 Training on GPU Clusters Using Megatron-LM" (2021); Harlap et al., "PipeDream" (2018).
 """
 import os
+import queue
 import threading
 import weakref
 from collections import defaultdict
@@ -137,6 +138,55 @@ class _NoTies:
         pass
 
 
+class _P2PWaiter:
+    """A daemon thread that runs, one at a time, the p2p waits `_wait_watching` hands it, so
+    that the caller can look in the store meanwhile. Beyond Paddle. One per process
+    (`_p2p_waiter`): a thread per wait would pay a thread's start per message, and each new
+    thread's malloc arena and caches would move the allocator figures the demo reports."""
+
+    def __init__(self):
+        self._jobs = queue.SimpleQueue()
+        threading.Thread(target=self._serve, args=(self._jobs,), daemon=True,
+                         name="relgrad-p2p-wait").start()
+
+    @staticmethod
+    def _serve(jobs):
+        while (job := jobs.get()) is not None:
+            work, timeout, done, caught = job
+            try:
+                work.wait(timeout)
+            except BaseException as error:  # noqa: BLE001 (re-raised by the caller's thread)
+                caught.append(error)
+            finally:
+                # Drop the work (and the tensors it holds) before the caller goes on: it then
+                # frees them itself, and no step's buffers wait here for the next message.
+                job = work = None
+                done.set()
+
+    def submit(self, work, timeout):
+        """Queue `work.wait(timeout)`; return (an Event set when it returned or raised, a list
+        that then holds what it raised, if anything)."""
+        done, caught = threading.Event(), []
+        self._jobs.put((work, timeout, done, caught))
+        return done, caught
+
+    def close(self):
+        """End the thread once the waits queued before are done."""
+        self._jobs.put(None)
+
+
+_WAITER = []  # the process's _P2PWaiter, started by the first wait
+
+
+def _p2p_waiter():
+    """The process's `_P2PWaiter`. One for every pipeline of the process: a thread per
+    pipeline (the demo builds one per release mode) moves the allocator figures of the runs
+    apart by its thread's malloc caches."""
+    if not _WAITER:
+        _WAITER.append(_P2PWaiter())
+    return _WAITER[0]
+
+
 class PipelineParallel(nn.Module):
     """One pipeline stage of `layers`, trained with 1F1B (Paddle's `PipelineParallel`).
 
@@ -180,20 +230,31 @@ class PipelineParallel(nn.Module):
         # Seed hunk: read the new flag.
         self._release_gradients = strategy.hybrid_configs["pp_configs"].release_gradients
         self._sharding_split_param = strategy.hybrid_configs["sharding_configs"].split_param
+        # Beyond Paddle: a bad config raises on every rank alike, before any communication.
         self._check_overlap_config(hcg)
-        # Before any communication, so that a bad config raises on every rank alike.
         self._check_virtual_stages(getattr(pp_configs, "num_virtual_pipeline_stages", 1))
         self._comm_overlap = self._dp_comm_overlap or self._sharding_comm_overlap
+        # Paddle is handed a PipelineLayer; here this stage's layers are cut from the list.
         layers = list(layers)
         self._layers, bounds = self._build_layers(layers, seg_boundaries)
-        self._check_untied_shares(layers, bounds, shared_weights)
-
         self._chunk_2_comm_buffers = defaultdict(list)
         self._sharding_hooks_registered = False
         self.optimizer = self.lr_scheduler = None
-        # Beyond Paddle from here to the dp overlap below (skip when reading the seed): the
-        # schedule's trace for tests, an id and a timeout for failing stages, tied weights,
-        # misuse state. None of it touches the fused buffers or release.
+        self._init_beyond_paddle(layers, bounds, shared_weights)  # skip when reading the seed
+        if self._dp_comm_overlap:
+            self.fused_gradient(self._layers, hcg.get_data_parallel_group(),
+                                self.accumulate_steps, dp=True)
+
+    def _init_beyond_paddle(self, layers, bounds, shared_weights):
+        """Beyond Paddle, the end of `__init__`: untied shares and the current device checked
+        on every rank before the first collective; an id and a timeout for failing stages
+        (`_wait_p2p`); tied weights; the schedule's trace for tests; misuse state. None of it
+        touches the fused buffers or release."""
+        self._check_untied_shares(layers, bounds, shared_weights)
+        # Under nccl, params on a GPU other than the current one (no torch.cuda.set_device)
+        # raise here on every stage, before the first collective.
+        check_current_device(list(self._layers.parameters()),
+                             [self._hcg.get_pipe_parallel_group()], "PipelineParallel")
         # ("F" | "B", micro-batch) in the order run, for tests; the interleaved schedule adds
         # the chunk: ("F" | "B", micro-batch, chunk)
         self.schedule_trace = []
@@ -201,22 +262,15 @@ class PipelineParallel(nn.Module):
         # its ranks (torch's rule for P2POp); a tiny all-reduce does that on every backend.
         # It also sums one random number per rank into an id this pipe's stages share: the
         # key under which a failing stage leaves its error for the others (`_wait_p2p`).
-        # Beyond Paddle: under nccl, params on a GPU other than the current one (no
-        # torch.cuda.set_device) raise here on every stage, before the first collective.
-        check_current_device(list(self._layers.parameters()),
-                             [hcg.get_pipe_parallel_group()], "PipelineParallel")
         uid = torch.tensor([int.from_bytes(os.urandom(5), "little")], device=self._device())
-        dist.all_reduce(uid, group=hcg.get_pipe_parallel_group())
+        dist.all_reduce(uid, group=self._hcg.get_pipe_parallel_group())
         self._uid, self._calls = int(uid), 0
         self._entered = False  # train_batch agreed at entry: its schedule does not again
-        self._p2p_timeout = _group_timeout(hcg.get_pipe_parallel_group())
+        self._p2p_timeout = _group_timeout(self._hcg.get_pipe_parallel_group())
         self._shared = self._shared_weights(shared_weights, bounds)
         self._grad_clip = None
         self._grads_pending = False  # a schedule ran and no _optimizer_step since
         self._incomplete = None  # (flags, detail) of _scale_and_agree, for the loss's reduce
-        if self._dp_comm_overlap:
-            self.fused_gradient(self._layers, hcg.get_data_parallel_group(),
-                                self.accumulate_steps, dp=True)
 
     def _check_overlap_config(self, hcg):
         pp, dp = self.num_stages, hcg.get_data_parallel_world_size()
@@ -929,26 +983,19 @@ class PipelineParallel(nn.Module):
         """`work.wait(timeout)` (gloo), looking in the store every `_WATCH_SECONDS` while
         it runs for a stage that failed in this train_batch call (`_post_failure`). Beyond
         Paddle. gloo cannot cut a wait short (a wait that times out closes the connection),
-        so the wait runs in a thread of its own, and this one raises PipelineStageFailed
+        so the wait runs on the pipeline's waiter thread (`_P2PWaiter`), and this one raises
+        PipelineStageFailed
         naming the stage and its error once one is there: the others learn
         of a failure within a fraction of a second, not at the group timeout. The abandoned
         wait ends at the timeout; the pipeline is not usable afterwards, as after a timeout.
         """
-        done, caught = threading.Event(), []
-
-        def wait():
-            try:
-                work.wait(timeout)
-            except BaseException as error:  # noqa: BLE001 (re-raised by the caller's thread)
-                caught.append(error)
-            finally:
-                done.set()
-
-        threading.Thread(target=wait, daemon=True).start()
+        done, caught = _p2p_waiter().submit(work, timeout)
         while not done.wait(_WATCH_SECONDS):
             failed = self._failed_stages()
             if failed:
                 _ABANDONED.append(work)  # gloo must not free a buffer it may still fill
+                # the waiter is busy until the abandoned wait ends: later waits get a new one
+                _WAITER.pop().close()
                 raise PipelineStageFailed(
                     f"stage {self.stage_id} (global rank {dist.get_rank()}): while it waited "
                     f"for a p2p message, {'; '.join(failed)} (see its traceback)")
