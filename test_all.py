@@ -628,8 +628,9 @@ _PHASES = ["step start", "before 1st backward", "after 1st backward", "after las
            "after collectives", "after optimizer step", "after release"]
 
 
-def _check_schema(result, world, steps):
-    assert set(result) == _TOP_KEYS and result["baseline"] == "off"
+def _check_schema(result, world, steps, plot=False):
+    assert set(result) == _TOP_KEYS | ({"plot"} if plot else set())
+    assert result["baseline"] == "off"
     assert result["phases"] == _PHASES and len(result["stages"]) == world
     assert set(result["modes"]["off"]) == _MODE_KEYS
     assert set(result["modes"]["on"]) == _OTHER_MODE_KEYS
@@ -645,15 +646,26 @@ def _check_schema(result, world, steps):
     assert result["config"]["processes"] == world
 
 
-def test_main_job_json(tmp_path):
+@pytest.fixture(scope="session")
+def main_job(tmp_path_factory):
+    """The main job run once, in its default layout (pp 2 x sharding 2, 4 ranks) on a smaller
+    LM, for test_main_job_json and test_main_job_plot: (the --json result, the --trace file,
+    the --plot file). 6 steps: an idle median over steps 2-6, an eval pass after step 5 and a
+    falling loss. If the run fails, each test that reads it fails with the run's stderr."""
+    out = tmp_path_factory.mktemp("main_job")
+    trace, png = out / "trace.json", out / "step.png"
+    result = _run_json([sys.executable, "relgrad.py", "--json", "--steps", "6", "--layers", "2",
+                        "--d-model", "128", "--block", "32", "--micro-batch-size", "2",
+                        "--trace", str(trace), "--plot", str(png)])
+    return result, trace, png
+
+
+def test_main_job_json(main_job):
     """Check the demo end to end: --json schema, off and on bitwise equal, 0 idle grad bytes
     with release on and the whole buffer with it off (allocator agreeing with our count), the
     buffer gone between steps only, the effective config, and the --trace file."""
-    trace = tmp_path / "trace.json"
-    result = _run_json([sys.executable, "relgrad.py", "--json", "--steps", "6", "--layers", "2",
-                        "--d-model", "128", "--block", "32", "--micro-batch-size", "2",
-                        "--trace", str(trace)])
-    _check_schema(result, 4, 6)
+    result, trace, _ = main_job
+    _check_schema(result, 4, 6, plot=True)
     off, on = result["modes"]["off"], result["modes"]["on"]
     assert result["bitwise_equal"] is True and off["losses"] == on["losses"]
     assert on["bitwise_equal"] is True
@@ -718,20 +730,17 @@ def _check_trace(trace, world, micro_batches):
             assert wanted | {"step 1", "optimizer step", release} <= spans, (pid, tid, spans)
 
 
-def test_main_job_plot(tmp_path):
+def test_main_job_plot(main_job):
     """Check that --plot writes a picture that decodes, with one panel per rank and one line
     per mode whose values are the samples the run recorded (its --json step_trace), the
-    phase marks its phase boundaries, in one short run."""
+    phase marks its phase boundaries (the main job's run, shared with test_main_job_json)."""
     from matplotlib.image import imread
-    png = tmp_path / "step.png"
-    result = _run_json([sys.executable, "relgrad.py", "--json", "--plot", str(png), "--steps",
-                        "2", "--eval-every", "0", "--layers", "1", "--d-model", "32",
-                        "--block", "32", "--micro-batch-size", "2", "--pp", "1"])
+    result, _, png = main_job
     image = imread(png)
     assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 200, image.shape
     assert image.std() > 0.01, "a blank picture"
     panels, modes = result["plot"]["panels"], result["modes"]
-    assert result["plot"]["file"] == str(png) and len(panels) == len(result["stages"]) == 2
+    assert result["plot"]["file"] == str(png) and len(panels) == len(result["stages"]) == 4
     for rank, panel in enumerate(panels):
         assert panel["title"].startswith(f"rank {rank} (stage {result['stages'][rank]})\n")
         assert [line["run"] for line in panel["lines"]] == ["off", "on"]
