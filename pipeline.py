@@ -775,7 +775,8 @@ class PipelineParallel(nn.Module):
             return (f"data must be (inputs, labels), tensors with the batch on dim 0; got "
                     f"{type(data).__name__}")
         acc = self.accumulate_steps
-        if batch % acc or (self.micro_batch_size and batch != self.micro_batch_size * acc):
+        if batch == 0 or batch % acc or (self.micro_batch_size
+                                         and batch != self.micro_batch_size * acc):
             return (f"a batch of {batch} samples does not split into accumulate_steps={acc} "
                     f"micro-batches of micro_batch_size={self.micro_batch_size or 'batch/acc'}")
         return None

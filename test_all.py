@@ -1962,14 +1962,15 @@ def test_sparse_grads_pipeline_like_one_process(ranks):
 
 
 def test_batch_that_does_not_split_raises_everywhere(ranks):
-    """Check that a batch of 3 samples for acc 2 on one replica (pp 1 x dp 2; the other gets
-    0) raises the same ValueError on both ranks within 5 s (the group timeout is 20 s)."""
+    """Check that a batch of 3 samples for acc 2 on one replica and an empty one on the other
+    (pp 1 x dp 2) raise the same ValueError on both ranks within 5 s (group timeout 20 s)."""
     seen = ranks(2).run(scripts.batch_does_not_split, timeout=60)
     assert len(seen) == 2
     _same_error([s[0] for s in seen], 2, "train_batch: a batch does not split into "
                                          "accumulate_steps micro-batches")
     assert "on this rank: a batch of 3 samples does not split" in seen[0][0][1]
-    assert "seen on 1 rank(s) of the job)" in seen[1][0][1]
+    assert "on this rank: a batch of 0 samples does not split" in seen[1][0][1]
+    assert all("(seen on 2 rank(s) of the job; on this rank" in s[0][1] for s in seen), seen
     assert all(spent < 5 for _, spent in seen), seen
 
 
