@@ -597,12 +597,7 @@ class PipelineParallel(nn.Module):
     def _stage_timeout(self, what, stages):
         """A TimeoutError for a wait on `stages` that timed out, with what they left."""
         seconds = _group_timeout(self._hcg.get_pipe_parallel_group()).total_seconds()
-        failed = []
-        for s in range(self.num_stages):
-            note = self._store_get(f"failed{s}") if s != self.stage_id else None
-            if note and note.split("|", 1)[0] == str(self._calls):
-                failed.append(f"stage {s} (global rank {self._hcg.get_rank_from_stage(s)}) "
-                              f"failed with {note.split('|', 1)[1]}")
+        failed = self._failed_stages()
         cause = ("; ".join(failed) + " (see its traceback)") if failed else (
             "no stage left an error: it may be stuck, or dead")
         return PipelineStageTimeout(
