@@ -158,6 +158,7 @@ def build_reduce_scatter_buffer(params, sharding_degree, rank, use_main_grad=Fal
     total = sum(padded)
     grad_dtype = torch.float32 if use_main_grad else dtype
     param_buffer = torch.zeros(total, dtype=dtype, device=device)
+    # Seed hunk (reconstructed, point 1): v2's layout; with release, no grad buffer yet
     grad_buffer = None if release_grad else torch.zeros(total, dtype=grad_dtype, device=device)
     views, index = {}, 0
     for p, size in zip(params, padded):
@@ -546,7 +547,8 @@ class FusedCommBuffer:
         release off (Paddle fails there), so release on and off stay bitwise equal; a sparse
         grad is added into the dense slot, as backward adds it into release off's view.
         """
-        # Seed hunk (reconstructed, point 3): allocate if absent, add in, re-point the grad
+        # Seed hunk (reconstructed, point 3): the whole method: allocate if absent, add in,
+        # re-point the grad
         if self._params_step_dict[param] > 0:
             return
         if self.grad_storage is None:
@@ -657,6 +659,7 @@ class FusedCommBuffer:
             if self._last_step_unreleased():  # beyond Paddle: a skipped release
                 raise ValueError(_UNRELEASED_MSG.format(id=self._id))
             self._copy_grad_to_buffer(param)
+        # Paddle's address check; under release, for check-ins after the first: [later, #64460]
         elif _addr_of(_grad_of(param, self.use_main_grad)) != self._grads_to_addr[param]:
             raise ValueError(_ADDRESS_CHANGED_MSG.format(name=self._name(param)))
         self._params_step_dict[param] += 1

@@ -1678,7 +1678,7 @@ class DygraphShardingOptimizerV2(_Sharding):
             buffer = FusedCommBuffer(idx, bucket, self._group, acc_steps,
                                      act=HOOK_ACTION.REDUCE_SCATTER,
                                      release_grads=self.pp_release_grads,
-                                     free_grads_in_comm=self._free_grads_in_comm)
+                                     free_grads_in_comm=self._free_grads_in_comm)  # [later]
             self._comm_buffer_list.append(buffer)
         # [later] sharding_configs.comm_overlap (Paddle's register_reduce_overlap_hook(
         # use_comm=True)): hooks that fill and reduce the buffers during backward; the seed's
@@ -1743,8 +1743,8 @@ class DygraphShardingOptimizerV2(_Sharding):
     def reduce_gradients(self, parameter_list, hcg):
         """Reduce-scatter every buffer and scale by 1/nranks (no-op under pipeline overlap).
 
-        Seed hunk: with release, a buffer that is still absent (no hook has checked grads in:
-        the non-overlap path) first gets every param's grad copied in. Beyond Paddle, with
+        With release, a buffer that is still absent (no hook has checked grads in: the
+        non-overlap path) first gets every param's grad copied in. Beyond Paddle, with
         release off a grad that is no longer its slot's view is put back (`_relink_grads`).
         """
         if self.pp_overlap:  # the pipeline's hooks reduce-scattered and scaled them
@@ -1754,6 +1754,7 @@ class DygraphShardingOptimizerV2(_Sharding):
             self._wait_own_buffers(self._comm_buffer_list)
             return
         for comm_buffer in self._comm_buffer_list:
+            # Seed hunk: with release and no buffer yet, copy every param's grad in first.
             if self.pp_release_grads and comm_buffer.grad_storage is None:
                 for param in comm_buffer.params:
                     comm_buffer._copy_grad_to_buffer(param)

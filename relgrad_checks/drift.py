@@ -178,39 +178,66 @@ def actual_range(file, qualname):
     return first, node.end_lineno
 
 
+def hunk_range(file, qualname, mark):
+    """(first, last) line of a hunk in `qualname` of `file`: from its first comment holding
+    `mark` to the end of the statement that follows its last one; the whole method when a
+    mark says "the whole method"; a field's whole range. None without such a comment."""
+    whole = actual_range(file, qualname)
+    if whole is None:
+        return None
+    source = (REPO / file).read_text()
+    lines = source.splitlines()
+    marks = [n for n in range(whole[0], whole[1] + 1)
+             if lines[n - 1].lstrip().startswith("#") and mark in lines[n - 1]]
+    if not marks:
+        return None
+    if any("the whole method" in lines[n - 1] for n in marks):
+        return whole
+    node = ast.parse(source)
+    for part in qualname.split("."):
+        node = next(n for n in ast.iter_child_nodes(node) if getattr(n, "name", None) == part
+                    or getattr(getattr(n, "target", None), "id", None) == part)
+    if isinstance(node, ast.AnnAssign):
+        return whole
+    statements = [n for n in ast.walk(node) if isinstance(n, ast.stmt)]
+
+    def end_of_next(line):
+        after = [n for n in statements if n.lineno > line]
+        return min(after, key=lambda n: (n.lineno, -n.end_lineno)).end_lineno
+
+    return marks[0], max(end_of_next(n) for n in marks)
+
+
+def _mark(hunk):
+    point = re.search(r"point (\d)", hunk)
+    return (f"# Seed hunk (reconstructed, point {point.group(1)}):" if point
+            else "Seed hunk")
+
+
 def check_hunk_row(row):
-    """Why a row of the hunk table does not match the code, or None: the cited range must be
-    the method's (or field's) whole range, hold `def <name>` (a field: `<name>:`) and a
+    """Why a row of the hunk table does not match the code, or None: `file: qualname` must
+    exist, and the cited range must be the hunk's own lines (`hunk_range`), from its
     `Seed hunk` mark (a reconstructed point N: `Seed hunk (reconstructed, point N)`)."""
     number, hunk, file, qualname, first, last, range_file = row
     if range_file != file:
         return f"row {number}: range cites {range_file}, the method is in {file}"
-    actual = actual_range(file, qualname)
-    if actual is None:
+    if actual_range(file, qualname) is None:
         return f"row {number}: {file} has no {qualname}"
-    lines = (REPO / file).read_text().splitlines()[actual[0] - 1 : actual[1]]
-    body = "\n".join(lines)
-    name = qualname.rsplit(".", 1)[-1]
-    point = re.search(r"point (\d)", hunk)
-    mark = (f"# Seed hunk (reconstructed, point {point.group(1)}):" if point
-            else "Seed hunk")
-    problems = []
+    mark = _mark(hunk)
+    actual = hunk_range(file, qualname, mark)
+    if actual is None:
+        return f"row {number} ({qualname}): no `{mark}` comment in it"
     if (first, last) != actual:
-        problems.append(f"cites {file}:{first}-{last}, the code holds it at "
-                        f"{file}:{actual[0]}-{actual[1]}")
-    if not re.search(rf"^\s*(def {name}\(|{name}:)", body, re.M) and \
-            not re.search(rf"^\s*class {name}\b", body, re.M):
-        problems.append(f"no `def {name}` in {file}:{actual[0]}-{actual[1]}")
-    if mark not in body:
-        problems.append(f"no `{mark}` mark in {file}:{actual[0]}-{actual[1]}")
-    return f"row {number} ({qualname}): " + "; ".join(problems) if problems else None
+        return (f"row {number} ({qualname}): cites {file}:{first}-{last}, the hunk is at "
+                f"{file}:{actual[0]}-{actual[1]}")
+    return None
 
 
 def fix_ranges(readme):
     """The README text with each hunk-table row's range set to what the code holds (the
     other checks of `check_hunk_row` still apply): for after an edit moves the methods."""
     def fixed(m):
-        actual = actual_range(m.group(4), m.group(5))
+        actual = hunk_range(m.group(4), m.group(5), _mark(m.group(2)))
         if actual is None:
             return m.group(0)
         start, end = m.span(7)[0] - m.start(), m.span(8)[1] - m.start()
