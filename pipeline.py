@@ -32,6 +32,7 @@ Leaves out: AMP scaler, timers, freeing sent activations early (Paddle's `_relea
 References: Paddle PRs #59739, #58441; Narayanan et al., "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM" (2021); Harlap et al., "PipeDream" (2018).
 """
+import hashlib
 import os
 import queue
 import threading
@@ -173,6 +174,16 @@ class _P2PWaiter:
     def close(self):
         """End the thread once the waits queued before are done."""
         self._jobs.put(None)
+
+
+def _clip_signature(grad_clip):
+    """0 for no clip; else 1 + 24 bits of a hash of (type name, clip_norm): equal on every
+    rank iff the clips agree (up to a 2**-24 chance), small enough that the entry check's
+    int64 sum of squares cannot overflow."""
+    if grad_clip is None:
+        return 0
+    text = repr((type(grad_clip).__name__, getattr(grad_clip, "clip_norm", None)))
+    return 1 + int.from_bytes(hashlib.sha256(text.encode()).digest()[:3], "little")
 
 
 _WAITER = []  # the process's _P2PWaiter, started by the first wait
@@ -511,13 +522,14 @@ class PipelineParallel(nn.Module):
         on some rank (`refused`: a config or buffer that one stage finds wrong), a batch
         `data` that does not split into micro-batches on some rank, and
         accumulate_steps that differ across ranks (a rank with fewer micro-batches would
-        leave its peers' bucket collectives unmatched), with one small all-reduce per group
+        leave its peers' bucket collectives unmatched) and a `grad_clip` that differs (type or
+        clip_norm: each rank would clip alike only by chance), with one small all-reduce per group
         (and, if some rank refused, one more naming it). A stage that never arrives fails
         the others at the group timeout, named."""
         rules = self._stage_local_problems(data)
-        acc = self.accumulate_steps
+        acc, clip = self.accumulate_steps, _clip_signature(self._grad_clip)
         flags = torch.tensor([int(d is not None) for _, d in rules]
-                             + [int(refused is not None), acc, acc * acc, 1],
+                             + [int(refused is not None), acc, acc * acc, clip, clip * clip, 1],
                              dtype=torch.int64, device=self._device())
         store = _default_store()
         if refused is not None and store is not None:  # read after the all-reduce below
@@ -536,7 +548,7 @@ class PipelineParallel(nn.Module):
                 f"train_batch's entry check: stage(s) {absent} of the pipe (global rank(s) "
                 f"{[self._hcg.get_rank_from_stage(s) for s in absent]}) did not reach "
                 f"train_batch call {self._calls}", absent) from error
-        *counts, refusals, total, squares, n = flags.tolist()
+        *counts, refusals, total, squares, clips, clip_squares, n = flags.tolist()
         if refusals:
             self._raise_refused(refused, refusals)
         for (rule, detail), count in zip(rules, counts):
@@ -550,6 +562,12 @@ class PipelineParallel(nn.Module):
                 "backward passes, and the bucket collectives and p2p messages of the others "
                 "would wait for ever. Build every rank's HybridStrategy with the same "
                 "accumulate_steps")
+        if clips * clips != clip_squares * n:
+            raise ValueError(
+                f"train_batch's grad_clip differs across the ranks of the job (here "
+                f"{self._grad_clip!r}): each stage would clip by another norm and the model "
+                "would differ from one process. Pass the same grad_clip (type and clip_norm) "
+                "on every rank")
 
     def _raise_refused(self, refused, refusals):
         """Raise on every rank what `_prepare_training` raised on one of the `refusals` rank(s)

@@ -1063,6 +1063,13 @@ _NO_GRAD_MSG = ("no param has a grad on any rank at step(): did zero_grad() run 
                 "model.to_empty())? Build the optimizer after that, or load without assign.")
 
 
+# A rank that dropped its grads between backward and step() would give zeros to the mean (the
+# rule for a param some rank has no grad for), silently: raised on every rank instead.
+_DROPPED_RULE = ("did zero_grad() run between backward and step() on some rank, with no "
+                 "backward after it? Its grads were dropped and would count as zeros in the "
+                 "mean. Clear grads after step(), or run backward again on every rank")
+
+
 def _comm_buffer_bytes(sharding_config):
     """Bytes per bucket of sharding's own buffers: `sharding_configs.comm_buffer_size_MB`
     ([later] Paddle's field), 256 MB if unset (Paddle's default). Duck-typed configs
@@ -1142,7 +1149,7 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
     """What v1 and v2 share: flags, groups, whether to all-reduce over dp, and the agreement
     on grads and misuse that opens every `step()`."""
 
-    def _setup(self, optimizer, hcg, strategy):
+    def _setup(self, optimizer, hcg, strategy, grad_clip=None):
         pp_config = strategy.hybrid_configs["pp_configs"]
         sharding_config = strategy.hybrid_configs["sharding_configs"]
         self._hcg = hcg
@@ -1172,9 +1179,10 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         # fleet.distributed_model broadcasts them; a template without state; then
         # sharding_configs.comm_overlap / free_grads_in_comm, later Paddle features.
         self._reduced = False  # grads reduced by a step() and not cleared since
+        self._dropped_mid_step = False  # zero_grad() dropped a backward's grads before step()
         self._agreement_failed = False  # step()'s agreement raised since the last clear_grad
         self._grads_ready = False  # clip_grad_norm_ ran step()'s first half; step() next
-        self._agree_on_setup(optimizer, strategy)
+        self._agree_on_setup(optimizer, strategy, grad_clip)
         self._broadcast_params()
         self._check_template(optimizer)
         self._setup_own_overlap(strategy)
@@ -1199,11 +1207,12 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
                 f"(Paddle picks the class from this field), but {type(self).__name__} was "
                 f"built; build {use}, or set split_param={split}")
 
-    def _agree_on_setup(self, optimizer, strategy):
+    def _agree_on_setup(self, optimizer, strategy, grad_clip=None):
         """Beyond Paddle: every rank of the sharding (and dp) group must build the optimizer
         alike, or the ranks would issue different collectives (a hang) or train different
         models silently. One all-gather of a small description per group (class, config,
-        torch optimizer and its hyper-parameters, param shapes / dtypes / requires_grad);
+        torch optimizer and its hyper-parameters, `grad_clip`'s type and clip_norm, param
+        shapes / dtypes / requires_grad);
         any difference, or a class that does not fit split_param, raises ValueError on every
         rank, naming the ranks and the values."""
         sharding_config = strategy.hybrid_configs["sharding_configs"]
@@ -1216,6 +1225,8 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
             "pp_configs": (pp_config.release_gradients, pp_config.sharding_comm_overlap,
                            pp_config.dp_comm_overlap, pp_config.delay_scale_loss),
             "torch optimizer": type(optimizer).__name__,
+            "grad_clip": None if grad_clip is None else (
+                type(grad_clip).__name__, repr(getattr(grad_clip, "clip_norm", None))),
             "hyper-parameters": [sorted((k, repr(v)) for k, v in g.items() if k != "params")
                                  for g in optimizer.param_groups],
             "params (shape, dtype, requires_grad)": [
@@ -1351,6 +1362,9 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         the ranks opened the step differently (`entry`: None for step(), the arguments of
         clip_grad_norm_ for it; `_entry_code`)."""
         params = self._parameter_list
+        dropped = self._dropped_mid_step and not any(has_grad)
+        rules = list(rules) + [(_DROPPED_RULE, "zero_grad() dropped this rank's grads after "
+                                "backward, and no backward ran since" if dropped else None)]
         try:
             anywhere = agree(has_grad, rules, self._flag_groups(), self._flags_device(),
                              _entry_code(entry))
@@ -1359,6 +1373,7 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         except ValueError:  # raised on every rank; the buckets stay as they are, so that
             self._agreement_failed = True  # a step() retried after a fix can still use them
             raise
+        self._dropped_mid_step = False
         if not self._grads_freed_in_backward:  # else freed on purpose
             fill_missing_grads(params, anywhere)
         return anywhere
@@ -1370,6 +1385,9 @@ class _Sharding(_OwnOverlap, _ShardingCheckpoint, _Wrapper):
         once it has cleared: collectives were in flight and step() had not already raised for
         this step (then clearing is what its error asked for)."""
         in_flight = self._in_flight() and not self._agreement_failed
+        # grads that backward produced and no step() took: dropped here (`_DROPPED_RULE`)
+        self._dropped_mid_step = (not self._in_flight() and not self._reduced
+                                  and any(self._has_grad()))
         if self._in_flight():
             self._settle_own_buffers()
         self._agreement_failed = False
@@ -1412,7 +1430,7 @@ class DygraphShardingOptimizer(_Sharding):
     """
 
     def __init__(self, optimizer, hcg, strategy, grad_clip=None):
-        self._setup(optimizer, hcg, strategy)
+        self._setup(optimizer, hcg, strategy, grad_clip)
         self._grad_clip = _check_grad_clip(grad_clip)
         self._param2rank = self._partition_parameters()
         owned = [[p for p in g["params"] if self._param2rank[p] == self._rank]
@@ -1633,7 +1651,7 @@ class DygraphShardingOptimizerV2(_Sharding):
     """
 
     def __init__(self, optimizer, hcg, strategy, grad_clip=None):
-        self._setup(optimizer, hcg, strategy)
+        self._setup(optimizer, hcg, strategy, grad_clip)
         # Beyond Paddle, the checks and _track_grads below (skip when reading the seed): a
         # [later] free_grads_in_comm conflict, the grad_clip type, an elementwise optimizer.
         if self._free_grads_in_comm and strategy.hybrid_configs["pp_configs"].delay_scale_loss:

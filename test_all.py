@@ -2049,3 +2049,42 @@ def test_direct_schedule_call_agrees_at_entry(ranks):
                                                       "accumulate_steps micro-batches")
         assert all(r[case][1] < 5 for r in results), [r[case][1] for r in results]
         assert [r[case][2] for r in results] == [None, None], case
+
+
+def test_zero_grad_on_one_rank_raises_everywhere(ranks):
+    """Check that zero_grad() between backward and step() on one rank only (v1, v2, no
+    overlap, release on and off) makes step() raise the same ValueError on both ranks instead
+    of averaging that rank's dropped grads as zeros, and that zero_grad(), backward, step()
+    then train on to the one-process result."""
+    results = ranks(2).run(scripts.zero_grad_on_one_rank, timeout=90)
+    assert len(results) == 2
+    (out0, oracle), (out1, _) = results
+    assert sorted(out0) == sorted(out1) == [(1, False), (1, True), (2, False), (2, True)]
+    for case in out0:
+        (seen0, params0), (seen1, params1) = out0[case], out1[case]
+        assert seen0 is not None and seen1 is not None, (case, "step() raised nothing")
+        assert seen0[0] == seen1[0] == "ValueError", case
+        for seen in (seen0, seen1):
+            assert "did zero_grad() run between backward and step() on some rank" in seen[1]
+        assert "on this rank" in seen1[1] and "on this rank" not in seen0[1], case
+        for got in (params0, params1):
+            assert len(got) == len(oracle) > 0
+            for g, w in zip(got, oracle):
+                torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+
+
+def test_grad_clip_differs_raises_everywhere(ranks):
+    """Check that Paddle's clip with another clip_norm on one rank raises the same ValueError
+    on both ranks, before any step: at a v1 / v2 constructor and at train_batch's entry; and
+    that the same clip on both then trains."""
+    seen = ranks(2).run(scripts.grad_clip_differs, timeout=60)
+    assert len(seen) == 2 and sorted(seen[0]) == ["agreed", "train_batch", "v1", "v2"]
+    for where in ("v1", "v2"):
+        assert seen[0][where] == seen[1][where] and seen[0][where][0] == "ValueError", where
+        assert "grad_clip" in seen[0][where][1] and "0.5" in seen[0][where][1], where
+    for rank, norm in ((0, 1.0), (1, 0.5)):  # the same error, naming this rank's clip
+        assert seen[rank]["train_batch"] is not None, (rank, "train_batch raised nothing")
+        kind, text = seen[rank]["train_batch"]
+        assert kind == "ValueError" and "train_batch's grad_clip differs" in text, text
+        assert f"(here ClipGradByGlobalNorm(clip_norm={norm}))" in text, text
+    assert seen[0]["agreed"] is None and seen[1]["agreed"] is None

@@ -348,3 +348,55 @@ def direct_call_bad_batch(rank, world):
         good = _caught(model.forward_backward_pipeline, (torch.ones(4, 1), torch.zeros(4, 1)))
         out[case] = (seen, spent, good)
     return out
+
+
+# ---------------------------------------------------------------- misuse on one rank only
+
+def zero_grad_on_one_rank(rank, world):
+    """v1 / v2 without overlap, release on / off: backward on every rank, zero_grad() on rank
+    1 only, step(); then zero_grad() and STEPS steps of plain training. Returns ({(version,
+    release): (what the first step() raised, params)}, the one-process params after STEPS
+    steps)."""
+    out = {}
+    for version in (1, 2):
+        for release in (True, False):
+            model, opt = _sharded(world, version, False, 1, release=release)
+            zero = {"set_to_none": release}  # release off: v2 zeroes in place only
+            for x, y in _micro_batches(rank, world, 0, 1):
+                F.mse_loss(model(x), y).backward()
+            if rank == 1:
+                opt.zero_grad(**zero)
+            stepped = _caught(opt.step)
+            opt.zero_grad(**zero)
+            for step in range(STEPS):
+                for x, y in _micro_batches(rank, world, step, 1):
+                    F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad(**zero)
+            out[version, release] = (stepped, [p.detach().clone() for p in model.parameters()])
+    return out, _oracle(STEPS)[0]
+
+
+def grad_clip_differs(rank, world):
+    """Paddle's clip with clip_norm 1.0 on rank 0 and 0.5 on rank 1: given to a v1 / v2
+    constructor (sharding 2), and to train_batch (pp 1 x dp 2); then the same clip on both,
+    which must train. Returns {where: what it raised}, plus "agreed": what the agreed
+    train_batch raised (None)."""
+    from relgrad_extras.grad_clip import ClipGradByGlobalNorm
+    clip = ClipGradByGlobalNorm(1.0 if rank == 0 else 0.5)
+    seen = {}
+    for version in (1, 2):
+        st = HybridStrategy(sharding_degree=2, sharding_configs=DygraphShardingConfig(
+            split_param=version == 2))
+        model = nn.Linear(3, 2)
+        seen[f"v{version}"] = _caught(_CLASSES[version], torch.optim.SGD(model.parameters(),
+                                                                          lr=0.1),
+                                      HybridCommunicateGroup(st), st, grad_clip=clip)
+    st = HybridStrategy(dp_degree=2, accumulate_steps=1)
+    model = PipelineParallel([nn.Linear(3, 2)], HybridCommunicateGroup(st), st, F.mse_loss)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.ones(2, 3), torch.zeros(2, 2))
+    seen["train_batch"] = _caught(model.train_batch, batch, opt, grad_clip=clip)
+    seen["agreed"] = _caught(model.train_batch, batch, opt,
+                             grad_clip=ClipGradByGlobalNorm(1.0))
+    return seen
