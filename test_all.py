@@ -70,11 +70,29 @@ def _pool_rank(rank, world, port, inbox, outbox):
         if job is None:
             break
         fn, args = job
+        _destroy_subgroups()  # the last scenario's: every rank of the pool is done with it
         try:
             outbox.put((rank, True, fn(rank, world, *args)))
         except BaseException:  # reported to the parent, which ends every rank
             outbox.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _destroy_subgroups():
+    """Destroy the groups earlier scenarios built (each HybridCommunicateGroup builds its own),
+    once the pool's parent has every rank's result of them and sent the next job: kept,
+    their gloo threads pile up in the pool's ranks (about 300 per rank over the suite) and
+    take a good part of the cores from the tests that start processes of their own. Not
+    while a timed-out p2p wait of the pipeline may still use its group (`_ABANDONED`)."""
+    pipeline_module = sys.modules.get("pipeline")
+    abandoned = pipeline_module._ABANDONED if pipeline_module is not None else []
+    works = [w for entry in abandoned for w in (entry if isinstance(entry, list) else [entry])]
+    if not all(work.is_completed() for work in works if hasattr(work, "is_completed")):
+        return  # (a test's stand-in work has no is_completed: it holds no group)
+    world_group = dist.group.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):  # no public list of groups
+        if group is not world_group:
+            dist.destroy_process_group(group)
 
 
 class RankPool:
