@@ -595,7 +595,6 @@ class FusedCommBuffer:
         if self._task is not None:
             raise RuntimeError(f"bucket {self._id}: a collective on the grad buffer is in "
                                "flight; call scale_grads() before releasing the buffer")
-        # Seed hunk (reconstructed, point 4): free the buffer (torch: drop every reference)
         self._drop_grad_storage()  # Paddle's _clear_dataptr() calls, plus the aliasing grads
         # Beyond Paddle (skip when reading the seed): free_grads_in_comm's mark and the
         # step's check-ins go with the buffer.
@@ -604,6 +603,8 @@ class FusedCommBuffer:
 
     def _drop_grad_storage(self):
         """Drop `grad_storage`, the views into it and every bucket grad that aliases it."""
+        # Seed hunk (reconstructed, point 4): the whole method: what `_clear_grad_storage`
+        # frees (Paddle's _clear_dataptr calls; torch frees a storage with its last reference)
         storage, self.grad_storage = self.grad_storage, None
         if self._act == HOOK_ACTION.REDUCE_SCATTER:
             for view in self._sharding_param_grad_view.values():

@@ -238,7 +238,7 @@ class PipelineParallel(nn.Module):
         self._dp_comm_overlap = pp_configs.dp_comm_overlap
         self._sharding_comm_overlap = pp_configs.sharding_comm_overlap
         self._delay_scale_loss = pp_configs.delay_scale_loss
-        # Seed hunk: read the new flag.
+        # Seed hunk: read pp_configs.release_gradients.
         self._release_gradients = strategy.hybrid_configs["pp_configs"].release_gradients
         self._sharding_split_param = strategy.hybrid_configs["sharding_configs"].split_param
         # Beyond Paddle: a bad config raises on every rank alike, before any communication.
@@ -870,6 +870,7 @@ class PipelineParallel(nn.Module):
         self._grads_pending = False  # beyond Paddle: misuse state (skip when reading the seed)
         self.optimizer.step()
         # Seed hunk: with release, drop the grads and free every chunk's buffers; else zero.
+        # (`_clear_grad`: Paddle's optimizer.clear_grad, or a plain torch optimizer's zero_grad)
         if self._release_gradients:
             _clear_grad(self.optimizer, set_to_zero=False)
             for _, buffers in self._chunk_2_comm_buffers.items():

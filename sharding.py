@@ -1689,10 +1689,10 @@ class DygraphShardingOptimizerV2(_Sharding):
     def _build_comm_buffers(self, acc_steps, group_size=256 * 1024 * 1024):
         if self.pp_overlap:
             return  # the pipeline builds and fills the buffers
-        # Seed hunk: the buffers get `release_grads=self.pp_release_grads`.
         # Differs from Paddle, which asserts every param is trainable: frozen params stay out.
         params = [p for p in self._parameter_list if p.requires_grad]
         for idx, bucket in assign_group_by_size(params, group_size).items():
+            # Seed hunk: the buffers get `release_grads=self.pp_release_grads`.
             buffer = FusedCommBuffer(idx, bucket, self._group, acc_steps,
                                      act=HOOK_ACTION.REDUCE_SCATTER,
                                      release_grads=self.pp_release_grads,
@@ -1801,10 +1801,10 @@ class DygraphShardingOptimizerV2(_Sharding):
         for comm_buffer in self._comm_buffer_list:
             for param in comm_buffer.params:
                 slice_param = self._slice_params[param]
+                # Seed hunk: Paddle asserts the stale main_grad is uninitialized and deletes
+                # it; in torch it would still hold last step's buffer, so drop it outright.
+                # Beyond Paddle, a stale .grad goes too (its assert would trip on it).
                 if self.pp_release_grads:
-                    # Seed hunk: Paddle asserts the stale main_grad is uninitialized and deletes
-                    # it; in torch it would still hold last step's buffer, so drop it outright.
-                    # Beyond Paddle, a stale .grad goes too (its assert would trip on it).
                     if hasattr(slice_param, "main_grad"):
                         del slice_param.main_grad
                     slice_param.grad = None
