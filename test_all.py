@@ -868,17 +868,18 @@ def test_peers_agree(ranks):
     assert systems["v2 release off"]["step_time_ratio"] is None
     assert systems["DDP + ZeRO"]["bitwise_equal"] is True
     # Between steps (the demo's figure: median after step 1, per rank) "off" holds the buffer
-    # that "on" frees at each release: at least its bytes, less a page. No upper bound here:
-    # this figure, read for one run while the other runs live in the same process, drifts
-    # upward by up to ~15 KiB on a loaded machine (others' allocations land in its window);
-    # what the release returns is bounded exactly, around the release (demo_peers.py).
+    # that "on" frees at each release: its bytes, less 16 KiB. No upper bound here: this
+    # figure, read for one run while the other runs live in the same process, drifts by up to
+    # ~15 KiB (7 KiB below seen once): others' allocations, and the threads' malloc caches,
+    # land in its window. What the release returns is bounded exactly, around the release
+    # (demo_peers.py); 16 KiB is a fifth of the 82 KiB buffer, so a kept buffer still fails.
     off, on = (systems[n]["idle_bytes_allocator"] for n in ("v2 release off", "v2 release on"))
     assert len(off) == len(on) == len(results) == 2
     for rank, result in enumerate(results):
         released = result["released"]
         assert len(released) > 0
         nbytes = released[-1][0]
-        assert off[rank] - on[rank] >= nbytes - 4096, (rank, off[rank] - on[rank], nbytes)
+        assert off[rank] - on[rank] >= nbytes - 16384, (rank, off[rank] - on[rank], nbytes)
     peers.print_report(summary)
 
 
