@@ -1096,16 +1096,23 @@ def _moved(params, start, at_least=1e-3):
     assert max((p - s).abs().max().item() for p, s in zip(params, start)) > at_least
 
 
-def test_recipe_dp_fused_buffer(tmp_path):
-    """Check that README recipe (a), comm_buffer.py alone on 2 ranks, equals one process."""
-    files, source = _recipe("a")
+def _check_mlp_recipe(tmp_path, files, source):
+    """Run a recipe (`files`, `source` from `_recipe`: comm_buffer.py alone, the recipes' MLP,
+    6 steps) on 2 ranks from `tmp_path`; assert both ranks end at one process's params,
+    which moved."""
     assert files == ["comm_buffer.py"]
     codes, outputs, params = recipes.run_recipe(tmp_path, files, source, world=2)
     assert codes == [0, 0], outputs
     want = recipes.reference(recipes._mlp(), range(6), rows=16)
     _moved(want, [p.detach() for p in recipes._mlp().parameters()])
+    assert len(params) == 2
     for rank_params in params:
         _assert_params(rank_params, want)
+
+
+def test_recipe_dp_fused_buffer(tmp_path):
+    """Check that README recipe (a), comm_buffer.py alone on 2 ranks, equals one process."""
+    _check_mlp_recipe(tmp_path, *_recipe("a"))
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -1194,14 +1201,8 @@ def test_recipe_compile_checkpointing(tmp_path):
     """Check that docs recipe (f), a release fused buffer under torch.compile and activation
     checkpointing on 2 ranks, equals one process without either."""
     files, source = _recipe("f")
-    assert files == ["comm_buffer.py"]
+    _check_mlp_recipe(tmp_path, files, source)
     assert "torch.compile(" in source and "checkpoint(model" in source
-    codes, outputs, params = recipes.run_recipe(tmp_path, files, source, world=2)
-    assert codes == [0, 0], outputs
-    want = recipes.reference(recipes._mlp(), range(6), rows=16)
-    _moved(want, [p.detach() for p in recipes._mlp().parameters()])
-    for rank_params in params:
-        _assert_params(rank_params, want)
 
 
 def test_recipe_without_extras_names_the_folder(tmp_path):

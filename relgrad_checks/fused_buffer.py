@@ -52,6 +52,16 @@ def _check_layout(rank, world):
         assert padded == [512, 1024, 512] and owners == [[0], [1, 2], [3]]
 
 
+def _hooked_buffer(params, act, acc, release):
+    """One bucket of `params` on the default group (REDUCE to global rank 1), each param's
+    grad checked in by its post-accumulate hook."""
+    dst = 1 if act == HOOK_ACTION.REDUCE else -1
+    buf = FusedCommBuffer(0, params, None, acc, act, dst, release_grads=release)
+    for p in params:
+        p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+    return buf
+
+
 def _check_actions(rank, world):
     """Each action equals a per-param collective done by hand; release on == off, bitwise."""
     shapes = [(7, 5), (13,), (3, 4, 2), (70,)]
@@ -60,10 +70,7 @@ def _check_actions(rank, world):
             results = {}
             for release in (False, True):
                 params = _new_params(shapes)
-                dst = 1 if act == HOOK_ACTION.REDUCE else -1
-                buf = FusedCommBuffer(0, params, None, acc, act, dst, release_grads=release)
-                for p in params:
-                    p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+                buf = _hooked_buffer(params, act, acc, release)
                 results[release] = []
                 for step in range(3):
                     local = [torch.zeros(s) for s in shapes]
@@ -304,10 +311,7 @@ def _check_sign_of_zero(rank, world):
             bits = {}
             for release in (False, True):
                 params = _new_params(shapes)
-                dst = 1 if act == HOOK_ACTION.REDUCE else -1
-                buf = FusedCommBuffer(0, params, None, acc, act, dst, release_grads=release)
-                for p in params:
-                    p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+                buf = _hooked_buffer(params, act, acc, release)
                 bits[release] = []
                 for step in range(2):
                     for k in range(acc):

@@ -111,14 +111,14 @@ def sparse_grads(rank, world):
 
 
 class _EmbMean(nn.Module):
-    """A pipeline stage's layer: `emb(tokens).mean(1)`."""
+    """A pipeline stage's layer: `wte(tokens).mean(1)` (the embedding named as GPT-2's)."""
 
-    def __init__(self, emb):
+    def __init__(self, wte):
         super().__init__()
-        self.emb = emb
+        self.wte = wte
 
     def forward(self, tokens):
-        return self.emb(tokens).mean(1)
+        return self.wte(tokens).mean(1)
 
 
 PIPE_SPARSE_CASES = ("sharding v1 overlap", "sharding v2 overlap", "dp overlap", "dp")
@@ -218,15 +218,6 @@ def frozen_stage(rank, world):
 
 # ---------------------------------------------------------------- a tie split across stages
 
-class _Wte(nn.Module):
-    def __init__(self, wte):
-        super().__init__()
-        self.wte = wte
-
-    def forward(self, tokens):
-        return self.wte(tokens).mean(1)
-
-
 class _Head(nn.Module):
     def __init__(self, wte):
         super().__init__()
@@ -248,7 +239,7 @@ def tie_across_stages(rank, world):
     def layers():
         torch.manual_seed(3)
         wte = nn.Embedding(10, 4)
-        return [_Wte(wte), nn.Linear(4, 4), nn.Linear(4, 4), _Head(wte)]
+        return [_EmbMean(wte), nn.Linear(4, 4), nn.Linear(4, 4), _Head(wte)]
 
     untied = _caught(PipelineParallel, layers(), hcg, st, F.mse_loss)
     tie = [("0.wte.weight", "3.lm_head.weight")]
