@@ -35,6 +35,7 @@ from relgrad_checks import (checkpoints, clipping, contract, demo_peers, drift, 
                             fused_buffer, interleave, loops, nccl_branch, pipe, recipes,
                             scripts, sharding_overlap,
                             zero)
+from relgrad_demo import cli
 from relgrad_demo.memory import live_grad_bytes
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 import relgrad
@@ -811,10 +812,9 @@ def test_torchrun_json():
 def test_cli_help_and_effective_strategy(capsys):
     """Check --help describes the command with every default, and the strategy that runs has
     overlap only where the layout allows it (--pp 1: none), whatever --overlap says."""
-    import relgrad
     from relgrad_demo.job import make_strategy
     with pytest.raises(SystemExit):
-        relgrad.parse_args(["--help"])
+        cli.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "pp x sharding x dp local processes" in text
     options = text.split("options:", 1)[1]
@@ -826,7 +826,7 @@ def test_cli_help_and_effective_strategy(capsys):
             (["--sharding", "1", "--dp", "2"], False, True),
             (["--pp", "1", "--sharding", "1", "--dp", "2"], False, False),
             (["--no-overlap"], False, False)):
-        _, opts = relgrad.parse_args(argv)
+        _, opts = cli.parse_args(argv)
         for mode, release in (("off", False), ("on", True)):
             strategy = make_strategy(opts, mode)
             pp_configs = strategy.pp_configs
@@ -835,13 +835,13 @@ def test_cli_help_and_effective_strategy(capsys):
             # without a pipeline, sharding overlaps with its own hooks
             own = argv == ["--pp", "1"]
             assert strategy.sharding_configs.comm_overlap is own, argv
-    _, opts = relgrad.parse_args(["--free-grads-in-comm", "--vpp", "2"])
+    _, opts = cli.parse_args(["--free-grads-in-comm", "--vpp", "2"])
     assert opts["modes"] == ["off", "on", "free"]
     strategy = make_strategy(opts, "free")
     assert strategy.sharding_configs.free_grads_in_comm and strategy.pp_configs.release_gradients
     assert strategy.pp_configs.num_virtual_pipeline_stages == 2
     assert strategy.sharding_configs.comm_buffer_size_MB is None  # defaults: 256 / 128 MB
-    _, opts = relgrad.parse_args(["--peers", "--free-grads-in-comm", "--comm-buffer-mb", "1"])
+    _, opts = cli.parse_args(["--peers", "--free-grads-in-comm", "--comm-buffer-mb", "1"])
     assert make_strategy(opts, "free").sharding_configs.comm_buffer_bytes() == 1 << 20
     from relgrad_demo import peers
     assert list(peers.systems(opts)) == ["v2 release off", "v2 release on", "DDP + ZeRO",
@@ -1026,10 +1026,9 @@ def test_walkthrough(ranks, layout):
 def test_walkthrough_flags(monkeypatch, capsys):
     """Check that --walkthrough takes no value (all layouts) or one of v2, v1, dp, and refuses
     other values, the flags it cannot honour and torchrun, naming the fix."""
-    import relgrad
-    assert relgrad.parse_args(["--walkthrough"])[0].walkthrough == "all"
-    assert relgrad.parse_args(["--walkthrough", "v1"])[0].walkthrough == "v1"
-    assert relgrad.parse_args([])[0].walkthrough is None
+    assert cli.parse_args(["--walkthrough"])[0].walkthrough == "all"
+    assert cli.parse_args(["--walkthrough", "v1"])[0].walkthrough == "v1"
+    assert cli.parse_args([])[0].walkthrough is None
     for argv, message in ((["--walkthrough", "v3"], "invalid choice: 'v3'"),
                           (["--walkthrough", "--json"], "drop --peers, --json and --trace"),
                           (["--walkthrough", "--pp", "1"], None)):
@@ -1038,7 +1037,7 @@ def test_walkthrough_flags(monkeypatch, capsys):
             monkeypatch.setenv("WORLD_SIZE", "2")
             message = "run it without torchrun"
         with pytest.raises(SystemExit):
-            relgrad.parse_args(argv)
+            cli.parse_args(argv)
         assert message in capsys.readouterr().err
 
 
@@ -1048,7 +1047,6 @@ def _no_launch(*args, **kwargs):
 
 def test_cli_errors(capsys, monkeypatch):
     """Check bad flags fail before any rank starts, naming the flag and the fix."""
-    import relgrad
     # in this process: `python relgrad.py` is `sys.exit(main())`, and any rank it started
     # would go through launch, which raises here
     monkeypatch.setattr(relgrad, "launch", _no_launch)
@@ -1059,7 +1057,7 @@ def test_cli_errors(capsys, monkeypatch):
                           (["--eval-every", "-1"], "--eval-every must be >= 0"),
                           (["--pp", "3", "--sharding", "1", "--layers", "0"], "--layers must")):
         with pytest.raises(SystemExit) as done:
-            relgrad.main(args)
+            cli.main(args)
         stderr = capsys.readouterr().err
         assert done.value.code == 2 and message in stderr, (args, stderr)
 
@@ -1223,9 +1221,8 @@ def test_recipe_without_extras_names_the_folder(tmp_path):
 # ---------------------------------------------------------------- the text against the code
 
 def _help_text(capsys):
-    import relgrad
     with pytest.raises(SystemExit):
-        relgrad.parse_args(["--help"])
+        cli.parse_args(["--help"])
     return capsys.readouterr().out
 
 
@@ -1560,9 +1557,8 @@ def test_resumed_scheduler_under_pipeline(ranks, version):
 def test_cli_bad_argument_one_line(capsys, args, message):
     """Check each bad flag ends in one line naming it and the fix, status 2, before any
     process starts."""
-    import relgrad
     with pytest.raises(SystemExit) as done:
-        relgrad.parse_args(args)
+        cli.parse_args(args)
     assert done.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("relgrad.py: error: "), lines
@@ -1572,28 +1568,26 @@ def test_cli_bad_argument_one_line(capsys, args, message):
 def test_cli_binary_data_refused(capsys, tmp_path):
     """Check --data on a binary file is refused in one line (not decoded into a vocab of
     replacement characters), while a UTF-8 text file with a few accents is accepted."""
-    import relgrad
     binary = tmp_path / "blob.bin"
     binary.write_bytes(bytes(range(256)) * 64)
     with pytest.raises(SystemExit) as done:
-        relgrad.parse_args(["--data", str(binary)])
+        cli.parse_args(["--data", str(binary)])
     assert done.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "does not look like UTF-8 text" in lines[0], lines
     text = tmp_path / "text.txt"
     text.write_text("Grüße, naïve café. " * 40, encoding="utf-8")
-    _, opts = relgrad.parse_args(["--data", str(text), "--block", "16"])
+    _, opts = cli.parse_args(["--data", str(text), "--block", "16"])
     assert opts["data"] == str(text)
 
 
 def test_cli_degrees_under_torchrun(capsys, monkeypatch):
     """Check under torchrun's environment degrees that do not multiply to WORLD_SIZE end in
     one line and status 2 on every rank (printed by rank 0), before any process group."""
-    import relgrad
     monkeypatch.setenv("WORLD_SIZE", "2")
     for rank, printed in (("0", 1), ("1", 0)):
         monkeypatch.setenv("RANK", rank)
-        assert relgrad.main([]) == 2
+        assert cli.main([]) == 2
         lines = capsys.readouterr().err.splitlines()
         assert len(lines) == printed, lines
         assert all("= 4 (1 * 2 * 2) must equal the world size 2" in line for line in lines)
@@ -1603,10 +1597,9 @@ def test_cli_degrees_under_torchrun(capsys, monkeypatch):
 def test_cli_timeout_one_line(capsys):
     """Check a --timeout too short for the run ends in one line and status 1, not a
     traceback."""
-    import relgrad
     # 10000 steps: the ranks start in well under 1 s and this tiny run would end within 1 s
     # with a few steps; 10000 take far longer, so only the timeout ends them
-    assert relgrad.main(["--timeout", "1", "--pp", "1", "--steps", "10000", "--layers", "1",
+    assert cli.main(["--timeout", "1", "--pp", "1", "--steps", "10000", "--layers", "1",
                          "--d-model", "16", "--block", "8"]) == 1
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "still running after 1 s" in lines[0], lines
@@ -1616,10 +1609,9 @@ def test_cli_timeout_one_line(capsys):
 def test_cli_help_free_grads_and_step_time_verdict(capsys):
     """Check --help shows no list default for --free-grads-in-comm, and the step-time verdict
     says there are too few timed steps below 3 (one or two timed steps)."""
-    import relgrad
     from relgrad_demo.report import time_ratio
     with pytest.raises(SystemExit):
-        relgrad.parse_args(["--help"])
+        cli.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     options = text.split("options:", 1)[1]
     entry = options.split("--free-grads-in-comm ", 1)[1].split(" --", 1)[0]
@@ -1907,7 +1899,6 @@ def test_interleave_p2p_batched(ranks):
 def test_cli_timeout_reaches_init_process_group(monkeypatch):
     """Check `relgrad.py --timeout 77` under torchrun's environment passes 77 s to
     init_process_group (the groups' timeout), with device_id only on nccl."""
-    import relgrad
     seen = {}
 
     class Stop(Exception):
@@ -1921,7 +1912,7 @@ def test_cli_timeout_reaches_init_process_group(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(dist, "init_process_group", init)
     with pytest.raises(Stop):
-        relgrad.main(["--timeout", "77", "--pp", "1", "--sharding", "1"])
+        cli.main(["--timeout", "77", "--pp", "1", "--sharding", "1"])
     want = "nccl" if torch.cuda.is_available() else "gloo"
     assert seen["backend"] == want and seen["timeout"] == timedelta(seconds=77), seen
     assert (seen["device_id"] is None) == (want == "gloo"), seen
