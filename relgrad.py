@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from comm_buffer import _backend_for, agree
+
 
 # ---- config: field names as in Paddle's distributed_strategy.proto ----
 
@@ -183,7 +185,7 @@ class HybridCommunicateGroup:
     def __init__(self, strategy, timeout=None):
         world, rank = dist.get_world_size(), dist.get_rank()
         if timeout is None:
-            timeout = _default_group_timeout()
+            timeout = group_timeout(None)
         strategy.check_world_size(world)
         shape = (strategy.dp_degree, strategy.pp_degree, strategy.sharding_degree)
         grid = torch.arange(world).reshape(shape)
@@ -241,11 +243,55 @@ class HybridCommunicateGroup:
         return self._groups[2][0]
 
 
-def _default_group_timeout():
-    """The timeout the default group was initialised with, read for the device its backend
-    serves (an NCCL-only group has no CPU backend), else torch's default for that backend."""
-    from comm_buffer import group_timeout
-    return group_timeout(None)
+# ---- process groups on any backend: timeouts, the current device ----
+
+def group_timeout(group):
+    """The timeout (timedelta) `group` was created with (None = the default group), read from
+    its backend for a device it serves; else torch's default for that backend."""
+    group = group or dist.distributed_c10d._get_default_group()
+    for device in getattr(group, "_device_types", ()):  # private API: its backends' devices
+        try:
+            return group._get_backend(device).options._timeout
+        except Exception:  # noqa: BLE001 (private API: try the next device, then the default)
+            continue
+    from torch.distributed import constants
+    nccl = "nccl" in str(dist.get_backend(group))
+    return (constants.default_pg_nccl_timeout if nccl and constants.default_pg_nccl_timeout
+            else constants.default_pg_timeout)
+
+
+SET_DEVICE_FIX = ("add `torch.cuda.set_device(local_rank)` (local_rank = int(os.environ["
+                  "'LOCAL_RANK']) under torchrun) before `dist.init_process_group(\"nccl\")`, "
+                  "or pass `device_id=torch.device(\"cuda\", local_rank)` to it")
+
+
+def device_problem(backend, param_devices, current_device):
+    """What is wrong, or None, with params on `param_devices` under a group of `backend` while
+    the current CUDA device is `current_device` (int, None without CUDA): NCCL runs on the
+    current device, so a CUDA param on another one means set_device was not called. Pure."""
+    if _backend_for(backend, "cuda") != "nccl":
+        return None
+    others = sorted({str(d) for d in param_devices if torch.device(d).type == "cuda"
+                     and (torch.device(d).index or 0) != current_device})
+    if not others:
+        return None
+    return (f"params on {', '.join(others)} but the current CUDA device is "
+            f"cuda:{current_device} (torch.cuda.current_device()), where NCCL runs")
+
+
+def check_current_device(params, groups, what):
+    """Raise ValueError on every rank of `groups` if, under NCCL, some rank's params are on a
+    GPU other than its current one. Agreed through the store: a collective would need the
+    very device that is wrong. Beyond Paddle (its launcher gives each process its GPU)."""
+    if any(_backend_for(dist.get_backend(g), "cuda") == "nccl" for g in groups):
+        current = torch.cuda.current_device() if torch.cuda.is_available() else None
+        agree_on_devices(device_problem("nccl", [p.device for p in params], current), groups,
+                         what)
+
+
+def agree_on_devices(problem, groups, what):
+    """`comm_buffer.agree` through the store on a `device_problem` text (or None)."""
+    agree(groups, [(f"{what}: {SET_DEVICE_FIX}", problem)], via_store=True)
 
 
 # ---- launcher ----

@@ -143,15 +143,24 @@ def heading_anchors(text):
 
 # ---------------------------------------------------------------- the hunk table
 
-_ROW = re.compile(r"^\| (\d+) \| (.*?) \| (.*?) \| `([\w/]+\.py): ([\w.]+)` \| "
-                  r"`([\w/]+\.py):(\d+)-(\d+)` \|$", re.M)
+_RANGES = r"`([\w/]+\.py):((?:\d+-\d+)(?:, \d+-\d+)*)`"
+_ROW = re.compile(r"^\| (\d+) \| (.*?) \| (.*?) \| `([\w/]+\.py): ([\w.]+)` \| " + _RANGES
+                  + r" \|$", re.M)
+
+
+def _parse_ranges(text):
+    return [tuple(int(n) for n in part.split("-")) for part in text.split(", ")]
+
+
+def _format_ranges(ranges):
+    return ", ".join(f"{a}-{b}" for a, b in ranges)
 
 
 def hunk_rows(readme):
-    """[(row number, hunk text, file, qualified name, first line, last line)] of the README's
-    hunk table ("Read it beside the diff")."""
-    return [(int(m.group(1)), m.group(2), m.group(4), m.group(5), int(m.group(7)),
-             int(m.group(8)), m.group(6)) for m in _ROW.finditer(readme)]
+    """[(row number, hunk text, file, qualified name, [(first, last)...], range file)] of the
+    README's hunk table ("Read it beside the diff")."""
+    return [(int(m.group(1)), m.group(2), m.group(4), m.group(5), _parse_ranges(m.group(7)),
+             m.group(6)) for m in _ROW.finditer(readme)]
 
 
 def actual_range(file, qualname):
@@ -179,9 +188,10 @@ def actual_range(file, qualname):
 
 
 def hunk_range(file, qualname, mark):
-    """(first, last) line of a hunk in `qualname` of `file`: from its first comment holding
-    `mark` to the end of the statement that follows its last one; the whole method when a
-    mark says "the whole method"; a field's whole range. None without such a comment."""
+    """The ranges [(first, last)] of a hunk in `qualname` of `file`: each from a comment
+    holding `mark` through the lines under it up to the next blank line (at least to the end
+    of the statement that follows it); the whole method when a mark says "the whole method";
+    a field's whole range. None without such a comment."""
     whole = actual_range(file, qualname)
     if whole is None:
         return None
@@ -191,21 +201,30 @@ def hunk_range(file, qualname, mark):
              if lines[n - 1].lstrip().startswith("#") and mark in lines[n - 1]]
     if not marks:
         return None
-    if any("the whole method" in lines[n - 1] for n in marks):
-        return whole
+    if any("the whole method" in lines[n - 1] for n in marks) or mark not in lines[
+            whole[0] - 1] and _is_field(source, qualname):
+        return [whole]
+    statements = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.stmt)]
+    ranges = []
+    for n in marks:
+        if ranges and n <= ranges[-1][1]:
+            continue  # a mark inside a hunk already cited
+        after = [s for s in statements if s.lineno > n]
+        end = min(after, key=lambda s: (s.lineno, -s.end_lineno)).end_lineno
+        while end < whole[1] and lines[end].strip():
+            end += 1
+        ranges.append((n, end))
+    return ranges
+
+
+def _is_field(source, qualname):
     node = ast.parse(source)
     for part in qualname.split("."):
-        node = next(n for n in ast.iter_child_nodes(node) if getattr(n, "name", None) == part
-                    or getattr(getattr(n, "target", None), "id", None) == part)
-    if isinstance(node, ast.AnnAssign):
-        return whole
-    statements = [n for n in ast.walk(node) if isinstance(n, ast.stmt)]
-
-    def end_of_next(line):
-        after = [n for n in statements if n.lineno > line]
-        return min(after, key=lambda n: (n.lineno, -n.end_lineno)).end_lineno
-
-    return marks[0], max(end_of_next(n) for n in marks)
+        node = next((n for n in ast.iter_child_nodes(node) if getattr(n, "name", None) == part
+                     or getattr(getattr(n, "target", None), "id", None) == part), None)
+        if node is None:
+            return False
+    return isinstance(node, ast.AnnAssign)
 
 
 def _mark(hunk):
@@ -216,9 +235,9 @@ def _mark(hunk):
 
 def check_hunk_row(row):
     """Why a row of the hunk table does not match the code, or None: `file: qualname` must
-    exist, and the cited range must be the hunk's own lines (`hunk_range`), from its
-    `Seed hunk` mark (a reconstructed point N: `Seed hunk (reconstructed, point N)`)."""
-    number, hunk, file, qualname, first, last, range_file = row
+    exist, and the cited ranges must be the hunk's own lines (`hunk_range`), from its
+    `Seed hunk` marks (a reconstructed point N: `Seed hunk (reconstructed, point N)`)."""
+    number, hunk, file, qualname, ranges, range_file = row
     if range_file != file:
         return f"row {number}: range cites {range_file}, the method is in {file}"
     if actual_range(file, qualname) is None:
@@ -227,22 +246,22 @@ def check_hunk_row(row):
     actual = hunk_range(file, qualname, mark)
     if actual is None:
         return f"row {number} ({qualname}): no `{mark}` comment in it"
-    if (first, last) != actual:
-        return (f"row {number} ({qualname}): cites {file}:{first}-{last}, the hunk is at "
-                f"{file}:{actual[0]}-{actual[1]}")
+    if ranges != actual:
+        return (f"row {number} ({qualname}): cites {file}:{_format_ranges(ranges)}, the hunk "
+                f"is at {file}:{_format_ranges(actual)}")
     return None
 
 
 def fix_ranges(readme):
-    """The README text with each hunk-table row's range set to what the code holds (the
+    """The README text with each hunk-table row's ranges set to what the code holds (the
     other checks of `check_hunk_row` still apply): for after an edit moves the methods."""
     def fixed(m):
         actual = hunk_range(m.group(4), m.group(5), _mark(m.group(2)))
         if actual is None:
             return m.group(0)
-        start, end = m.span(7)[0] - m.start(), m.span(8)[1] - m.start()
+        start, end = m.span(7)[0] - m.start(), m.span(7)[1] - m.start()
         row = m.group(0)
-        return row[:start] + f"{actual[0]}-{actual[1]}" + row[end:]
+        return row[:start] + _format_ranges(actual) + row[end:]
     return _ROW.sub(fixed, readme)
 
 

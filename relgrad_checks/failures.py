@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline import PipelineParallel, PipelineStageFailed, PipelineStageTimeout
+from pipeline import PipelineParallel
 from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
 
@@ -59,32 +59,6 @@ def moved_grad_on_one_stage(rank, world):
         for p in model.parameters():
             p.grad = p.grad / 2  # out of place: no longer the buffer's view
     return _caught(model.train_batch, data, opt)
-
-
-class _FailOnce:
-    """A loss that raises on its second call (micro-batch 1 of the first step)."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, out, y):
-        self.calls += 1
-        if self.calls == 2:
-            raise RuntimeError("injected loss failure on the last stage")
-        return _mean_loss(out, y)
-
-
-def stage_fails_mid_schedule(rank, world, seconds):
-    """pp 2, the last stage's loss raises in micro-batch 1; the pipe group's timeout is
-    `seconds`. Returns (what this rank raised, seconds it took)."""
-    st = _pp_strategy(2, 1, 4)
-    hcg = HybridCommunicateGroup(st, timeout=timedelta(seconds=seconds))
-    model = PipelineParallel([Scale(), Scale()], hcg, st, _FailOnce())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    start = time.monotonic()
-    seen = _caught(model.train_batch, (torch.ones(4, 1), torch.zeros(4, 1)), opt)
-    return seen, time.monotonic() - start, issubclass(PipelineStageTimeout, TimeoutError) \
-        and not issubclass(PipelineStageFailed, RuntimeError)
 
 
 def stage_never_arrives(rank, world, seconds):
@@ -200,7 +174,7 @@ def fused_buffer_fp32_unchanged(rank, world):
     """An fp32 ALL_REDUCE buffer and all_reduce_mean still scale after the sum: integer
     grads whose mean rounds differently when divided by 3 ranks first. Returns the reduced
     values and this rank's grads."""
-    import comm_buffer
+    import sharding
     from comm_buffer import HOOK_ACTION, FusedCommBuffer, bw_hook_func
     p = nn.Parameter(torch.zeros(64))
     buf = FusedCommBuffer(0, [p], None, 1, HOOK_ACTION.ALL_REDUCE, release_grads=True)
@@ -211,7 +185,7 @@ def fused_buffer_fp32_unchanged(rank, world):
     buf.scale_grads()
     fused = p.grad.clone()
     g = grads.clone()
-    comm_buffer.all_reduce_mean([g], None)
+    sharding.all_reduce_mean([g], None)
     return fused, g, grads
 
 

@@ -141,9 +141,8 @@ def _probe(collectives, release, fires_at, overlap):
         collectives.clear()
         try:
             model._prepare_training(opt, None)
-            model._entered = True  # as train_batch: no entry agreement in the spied window
             model.train()
-            loss = model.forward_backward_pipeline(data)
+            loss = model._schedule(data)  # as train_batch: no entry agreement in the window
         finally:
             FusedCommBuffer._copy_grad_to_buffer = original
         by_chunk = model._chunk_2_comm_buffers

@@ -101,9 +101,8 @@ def _release_probe(collectives, release, overlap):
         collectives.clear()
         try:
             model._prepare_training(opt, None)
-            model._entered = True  # as train_batch: no entry agreement in the spied window
             model.train()
-            loss = model.forward_backward_pipeline(data)
+            loss = model._schedule(data)  # as train_batch: no entry agreement in the window
             buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]
             assert bool(buffers) == overlap, (len(buffers), overlap)
             assert not (buffers and own), "v2 has its own buffers only without pipeline overlap"

@@ -37,9 +37,77 @@ import copy
 import torch
 import torch.distributed as dist
 
-from comm_buffer import global_rank
-from sharding import (_full_groups, _is_v2, _layout_known, _local_groups, _local_pieces,
-                      _masters, _target_index, _targets, _torch_opt)
+from comm_buffer import agree, global_rank
+
+
+# ---------------------------------------------------------------- what this rank holds
+
+def _is_v2(opt):
+    return opt._is_v2
+
+
+def _targets(opt):
+    """The tensors the inner optimizer steps, in its param order (v1 params, v2 slices)."""
+    return opt._inner_opt._targets
+
+
+def _masters(opt):
+    """target -> fp32 master, for the targets that have one (MixPrecisionOptimizer's)."""
+    return opt._inner_opt._masters
+
+
+def _torch_opt(opt):
+    """The torch optimizer that steps (over the masters or the fp32 targets)."""
+    return opt._inner_opt._inner_opt
+
+
+def _layout_known(opt):
+    """v2 knows its slices once it has its buffers (under pp overlap: the pipeline's)."""
+    return not opt._is_v2 or bool(opt._comm_buffer_list)
+
+
+def _target_index(opt):
+    """target -> index of its param in the optimizer's param list (for every target)."""
+    index = {p: i for i, p in enumerate(opt._parameter_list)}
+    return {opt._slice_params[p]: i for p, i in index.items()} if opt._is_v2 else index
+
+
+def _local_pieces(opt):
+    """{param index: (target, lo, real, view)} for each param this rank steps elements of:
+    `lo` the target's first element in the flattened param, `real` how many of the target's
+    elements are the param's (the rest, v2 only, is padding), `view` v2's ShardingGradView."""
+    pieces = {}
+    if opt._is_v2:
+        views = {p: v for b in opt._comm_buffer_list
+                 for p, v in b._sharding_param_grad_view.items()}
+        for i, p in enumerate(opt._parameter_list):
+            view = views.get(p)  # None: frozen at construction, never stepped
+            if view is not None and view._has_local:
+                real = min(view._param_end, view._index + p.numel()) - view._param_begin
+                pieces[i] = (opt._slice_params[p], view._param_begin - view._index, real, view)
+    else:
+        for i, p in enumerate(opt._parameter_list):
+            if opt._param2rank[p] == opt._rank:
+                pieces[i] = (p, 0, p.numel(), None)
+    return pieces
+
+
+def _local_groups(opt):
+    """Per inner param group: the param indices of its targets (v1: owned only)."""
+    index, targets, groups, start = _target_index(opt), _targets(opt), [], 0
+    for group in _torch_opt(opt).param_groups:
+        groups.append([index[t] for t in targets[start : start + len(group["params"])]])
+        start += len(group["params"])
+    return groups
+
+
+def _full_groups(opt):
+    """Per param group, all its param indices: the union over the sharding group (v1 ranks
+    each know only their own params). A collective over the sharding group."""
+    gathered = [None] * dist.get_world_size(opt._group)
+    dist.all_gather_object(gathered, _local_groups(opt), group=opt._group)
+    return [sorted(set().union(*(rank_groups[g] for rank_groups in gathered)))
+            for g in range(len(gathered[0]))]
 
 # ---------------------------------------------------------------- consolidate
 
@@ -126,6 +194,19 @@ def _paste(slots, key, piece, lo, real, numel):
 
 
 # ---------------------------------------------------------------- load
+
+def load(opt, state_dict):
+    """`load_state_dict` of a consolidated (or plain torch) state: checked on every rank
+    (the same ValueError everywhere if any rank's dict does not fit), then loaded."""
+    groups = _full_groups(opt)
+    try:
+        problem = check_full(opt, state_dict, groups)
+    except Exception as error:  # noqa: BLE001 (a malformed dict: raised on every rank)
+        problem = f"could not read it ({type(error).__name__}: {error})"
+    agree(opt._flag_groups(), [("load_state_dict refused a consolidated state", problem)],
+          device=opt._flags_device())
+    load_full(opt, state_dict, groups)
+
 
 def load_full(opt, state_dict, groups):
     """Load a consolidated (or plain torch) state, checked on every rank by `check_full`.

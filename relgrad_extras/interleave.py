@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from comm_buffer import bw_hook_func
 from pipeline import _DTYPES, _META_LEN, PipelineParallel, _build_segment, _cut_layers
 from relgrad_extras.shared_weights import SharedWeights
 
@@ -56,6 +55,8 @@ class PipelineParallelWithInterleave(PipelineParallel):
     Raises ValueError, on every rank before any communication, unless V is an int > 1,
     pp_degree >= 2 and accumulate_steps is a multiple of pp_degree; and as PipelineParallel.
     """
+
+    _interleaved = True  # hooks only check in; the schedule fires each chunk's buckets
 
     def _check_virtual_stages(self, num_virtual_stages):
         # Called by PipelineParallel.__init__ before its first collective.
@@ -109,11 +110,6 @@ class PipelineParallelWithInterleave(PipelineParallel):
         return super().fused_gradient(model, comm_group, acc_steps, dp, param2rank,
                                       group_size)
 
-    def bw_hook_func(self, buffer, param):
-        """Check in only (`add_grad(param, use_comm=False)`): `_overlap_comm_grads` issues the
-        collective between schedule steps, never inside a backward."""
-        return bw_hook_func(buffer, param, use_comm=False)
-
     def _overlap_comm_grads(self):
         """After each backward step: issue a chunk's collectives once its last micro-batch is
         done. As Paddle, the count is 1..P*V over the last P*V backward steps, in which stage
@@ -130,19 +126,18 @@ class PipelineParallelWithInterleave(PipelineParallel):
             self._comm_chunk(0)
 
     def _comm_chunk(self, chunk):
-        for buffer in self._chunk_2_comm_buffers.get(chunk, []):
-            if buffer not in self._shared.held_buffers:  # a tied copy's: after the tie sum
-                if buffer._all_params_checked_in:
-                    buffer.comm_grads()
-                else:  # issued anyway at its place in the schedule; agreed on at the sync
-                    self._issue_incomplete(buffer)
+        """Issue `chunk`'s buckets (a tied copy's waits for the tie sum), complete or not:
+        an incomplete one is agreed on at `_sync_overlap_grads`, on every rank."""
+        held = self._scheduler.held
+        self._scheduler.fire([b for b in self._chunk_2_comm_buffers.get(chunk, [])
+                              if b not in held])
 
     def _sync_overlap_grads(self):
-        """Wait for and scale every chunk's buffers (Paddle's `_sync_overlap_grads`)."""
-        if not self._comm_overlap:
-            return
-        assert self._backward_step_count == self.num_stages * self.num_model_chunks
-        self._scale_and_agree([b for bs in self._chunk_2_comm_buffers.values() for b in bs])
+        """Tie sum, the rest issued, every chunk's buffers waited, scaled and agreed on
+        (Paddle's `_sync_overlap_grads` waits and scales)."""
+        if self._comm_overlap:
+            assert self._backward_step_count == self.num_stages * self.num_model_chunks
+        self._finish_schedule()
 
     # ---- the schedule ----
 
@@ -164,7 +159,10 @@ class PipelineParallelWithInterleave(PipelineParallel):
         """
         if not forward_only:
             self._check_accumulation()  # a second call before the step: as PipelineParallel
-            self._enter_schedule(data)  # a direct call agrees at entry, as train_batch does
+            self._agree_at_entry(None, data)  # a direct call agrees, as train_batch does
+        return self._schedule(data, forward_only, compute_loss)
+
+    def _schedule(self, data, forward_only=False, compute_loss=True):
         inputs, labels = self._micro_batches(data)
         stages, chunks, acc = self.num_stages, self.num_model_chunks, self.accumulate_steps
         first, last = self.stage_id == 0, self.stage_id == stages - 1
@@ -225,9 +223,6 @@ class PipelineParallelWithInterleave(PipelineParallel):
 
         # wait and scale: every chunk's collectives were issued by _overlap_comm_grads
         if not forward_only:
-            self._grads_pending = True
-            # tied copies: sum over their stages, then fire their buckets (held back above)
-            self._shared.allreduce_shared_weight_gradients()
             self._sync_overlap_grads()
         if forward_only and not compute_loss:
             outputs, self._outputs = self._outputs, []
@@ -272,8 +267,7 @@ class PipelineParallelWithInterleave(PipelineParallel):
         """Forward only, in the interleaved order; returns as `PipelineParallel.eval_batch`."""
         self.eval()
         with torch.no_grad():
-            return self.forward_backward_pipeline(data, forward_only=True,
-                                                  compute_loss=compute_loss)
+            return self._schedule(data, forward_only=True, compute_loss=compute_loss)
 
     # ---- point-to-point round the ring of stages ----
 

@@ -36,16 +36,8 @@ Embedding to Improve Language Models" (2017).
 import torch
 import torch.distributed as dist
 
-from comm_buffer import bw_hook_func, main_grad_or_grad as _grad
+from comm_buffer import agree, main_grad_or_grad as _grad
 
-_META = 11  # status, dtype code, ndim, up to 8 dims
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-
-
-def check_in_hook(buffer, param):
-    """Like `comm_buffer.bw_hook_func`, but checks `param` in without firing the collective
-    (`add_grad(param, use_comm=False)`): the caller fires it with `buffer.comm_grads()`."""
-    return bw_hook_func(buffer, param, use_comm=False)
 
 
 def _split_name(name, n_layers):
@@ -82,7 +74,6 @@ class SharedWeights:
     """
 
     def __init__(self, layers, hcg, shared_weights, bounds, device, placement=None):
-        self.held_buffers = []  # buckets with a tied copy: fired by allreduce_...()
         self._comm = []  # (param, group) of the ties this stage holds across stages
         self._tied = set()  # this stage's tied params, by identity
         if placement is None:
@@ -143,27 +134,20 @@ class SharedWeights:
         setattr(layer.get_submodule(module_name) if module_name else layer, attr, param)
 
     def _check_agreed(self, ties, local, hcg, device):
-        """All-gather each stage's view of each tie over the pipe: raise the same error
-        everywhere for a missing param or copies that differ."""
-        mine = torch.full((len(ties), _META), -1, dtype=torch.long, device=device)
-        for t, p in local.items():
-            mine[t, 0] = 0
-            if p is not None and p.dim() <= _META - 3 and p.dtype in _DTYPES:
-                mine[t, :3] = torch.tensor([1, _DTYPES.index(p.dtype), p.dim()])
-                mine[t, 3 : 3 + p.dim()] = torch.tensor(p.shape)
-        views = [torch.empty_like(mine) for _ in range(hcg.get_pipe_parallel_world_size())]
-        dist.all_gather(views, mine, group=hcg.get_pipe_parallel_group())
+        """Agree over the pipe (`comm_buffer.agree`): the same error everywhere for a missing
+        param or copies that differ in dtype (an itemsize and float flag) or shape."""
+        problems, same = [], []
         for t, names in enumerate(ties):
-            rows = [v[t].tolist() for v in views if v[t, 0] != -1]
             spelled = [f"{i}.{rest}" for i, rest, _ in names]
-            if any(r[0] == 0 for r in rows):
-                raise ValueError(f"shared_weights {spelled}: a name is not a trainable param "
-                                 "(float, <= 8 dims) of its layer; spell it as "
-                                 "nn.Sequential(*layers).named_parameters() does")
-            if any(r != rows[0] for r in rows):
-                shapes = [(_DTYPES[r[1]], r[3 : 3 + r[2]]) for r in rows]
-                raise ValueError(f"shared_weights {spelled}: the copies differ in dtype / shape "
-                                 f"{shapes}; tied params must match")
+            p = local.get(t)
+            problems.append((f"shared_weights {spelled}: a name is not a trainable param (at "
+                             "most 8 dims) of its layer; spell it as nn.Sequential(*layers)"
+                             ".named_parameters() does", "not found" if t in local and (
+                                 p is None or p.dim() > 8) else None))
+            meta = (None,) * 10 if p is None or p.dim() > 8 else (
+                p.dtype.itemsize, p.dtype.is_floating_point, *p.shape, *[-1] * (8 - p.dim()))
+            same.append((f"shared_weights {spelled}: the copies' (itemsize, float, shape)", meta))
+        agree([hcg.get_pipe_parallel_group()], problems, same, device=device)
 
     def _build_groups(self, ties, local, hcg, stage, device):
         """One group per tie spanning stages, per pipe, created by every rank in one order;
@@ -196,40 +180,20 @@ class SharedWeights:
         """True if this stage holds a copy of a weight tied across stages."""
         return bool(self._comm)
 
-    def hook_func(self, bucket, buffer):
-        """The hook maker for `bucket`'s params: `bw_hook_func`, or `check_in_hook` if the bucket
-        holds a tied copy (then `buffer` is fired by `allreduce_shared_weight_gradients`)."""
-        if not any(p in self._tied for p in bucket) or not self._comm:
-            return bw_hook_func
-        self.held_buffers.append(buffer)
-        return check_in_hook
+    def holds(self, bucket):
+        """True if `bucket` (a list of params) holds a copy tied across stages: its bucket's
+        collective waits for the tie sum (the pipeline's scheduler holds it back)."""
+        return bool(self._comm) and any(p in self._tied for p in bucket)
 
     @torch.no_grad()
     def allreduce_shared_weight_gradients(self):
-        """Sum each tied copy's grad (main_grad if set) over its group, then fire the held
-        buckets' collectives (wait and scale stay with the caller; a bucket incomplete on this
-        rank is issued with what it holds, for the caller's agreement to raise on every rank).
-        A copy without a grad (unused on this stage) joins with zeros and then steps on the
-        others' grad."""
+        """Sum each tied copy's grad (main_grad if set) over its group. A copy without a grad
+        (unused on this stage) joins with zeros and then steps on the others' grad. The
+        pipeline then fires the held buckets."""
         for param, group in self._comm:
             grad = _grad(param)
             if grad is None:
-                grad = torch.zeros_like(param, dtype=torch.float32 if hasattr(
-                    param, "main_grad") else param.dtype)
-                if hasattr(param, "main_grad"):
-                    param.main_grad = grad
-                else:
-                    param.grad = grad
+                main = hasattr(param, "main_grad")
+                grad = torch.zeros_like(param, dtype=torch.float32 if main else param.dtype)
+                setattr(param, "main_grad" if main else "grad", grad)
             dist.all_reduce(grad, group=group)
-        for buffer in self.held_buffers:
-            if buffer._all_params_checked_in:
-                buffer.comm_grads()
-                continue
-            # Incomplete here (a param without a grad in some micro-batch): issued with what
-            # it holds, at its place, as PipelineParallel._issue_incomplete does, so that the
-            # peers' collective is matched; the pipeline's agreement after the schedule then
-            # raises on every rank.
-            for p in buffer.params:
-                if buffer._release_grads and buffer._params_step_dict.get(p) == 0:
-                    buffer._copy_grad_to_buffer(p)
-            buffer._comm_grads()

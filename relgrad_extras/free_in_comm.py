@@ -1,0 +1,147 @@
+"""[later] `free_grads_in_comm` (PaddleNLP #9081): free what a rank will not read as soon as its
+bucket's collective has completed.
+
+Paddle allows it only with release_grads, REDUCE_SCATTER and acc_steps == 1: the reduce-scatter
+writes into a fresh tensor of one shard's size, and the full grad buffer is replaced by it, so
+the rest is freed right after the collective. Here, with any acc_steps and for REDUCE too: v2
+keeps its shard only, a v1 non-owner keeps nothing. Paddle frees at `scale_grads`; buffers that
+share a `CommQueue` (`plug`, as the sharding optimizers and the pipeline call it for
+`sharding_configs.free_grads_in_comm`) free during backward, bucket by bucket.
+
+Differs from Paddle: the collective runs in place and the shard is copied out once it is done
+(scaled in the same pass), so a bucket holds G bytes while filling and in flight, G + G/S for
+the copy, then G/S (G: bucket bytes, S: ranks); Paddle's order holds G + G/S in flight.
+Phases of a step: check in -> communicate -> complete (scale, free) -> step -> release.
+"""
+import torch
+
+from comm_buffer import HOOK_ACTION, FusedCommBuffer, _drop_aliasing_grads
+
+
+class _Done:
+    """A bucket's `_task` once the queue completed its collective (scale_grads resets it)."""
+
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+_DONE = _Done()
+
+
+class CommQueue:
+    """The buckets of one builder whose collectives are in flight, in issue order.
+
+    At every check-in the queue completes the buckets whose collective has finished (gloo's
+    usually still run then: they share the cores with backward); a bucket that allocates its
+    buffer first completes every bucket in flight; issuing a bucket completes the ones issued
+    before it. So at most one full bucket lives beside the shards: P + O + G/S + one bucket.
+    Waiting is local: every rank still issues the same collectives in the same order.
+    """
+
+    def __init__(self):
+        self.in_flight = []
+
+    def complete_all(self):
+        for buffer in list(self.in_flight):
+            buffer._complete_comm()
+
+    def issued(self, buffer):
+        self.complete_all()
+        self.in_flight.append(buffer)
+
+    def poll(self):
+        for buffer in list(self.in_flight):
+            if buffer._task.is_completed():
+                buffer._complete_comm()
+
+
+def _check(buffer):
+    if not buffer._release_grads:
+        raise ValueError("free_grads_in_comm needs release_grads=True (as in Paddle): the buffer "
+                         "it frees must be re-allocated at the next step's first check-in")
+    if buffer._act == HOOK_ACTION.ALL_REDUCE:
+        raise ValueError("free_grads_in_comm has nothing to free with act=ALL_REDUCE (every "
+                         "rank reads the whole buffer); use it with REDUCE or REDUCE_SCATTER")
+
+
+def plug(buffers):
+    """Make `buffers` (built together, hooked to one backward) FreeInCommBuffers sharing one
+    `CommQueue`: each bucket is completed and freed during backward, as soon as its collective
+    is done. The same objects: the lists and hooks that hold them keep working."""
+    queue = CommQueue()
+    for buffer in buffers:
+        _check(buffer)
+        buffer.__class__ = FreeInCommBuffer
+        buffer._comm_queue, buffer._freed_in_comm = queue, False
+
+
+class FreeInCommBuffer(FusedCommBuffer):
+    """A `FusedCommBuffer` that frees, once its collective has completed, what this rank will
+    not read: REDUCE_SCATTER keeps only its shard (`grad_storage` becomes `buffer_size /
+    nranks` elements, the slice grads view it, the params' grads are dropped); REDUCE drops the
+    whole buffer and the grads on ranks other than `dst`. Built directly (not through `plug`),
+    it frees at `scale_grads()`, as Paddle does. Needs release_grads; not ALL_REDUCE."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _check(self)
+        self._comm_queue, self._freed_in_comm = None, False
+
+    def add_grad(self, param, use_comm=True):
+        if self._comm_queue is not None:  # complete the earlier buckets that are done
+            self._comm_queue.poll()
+        fresh = self._params_checked_in == 0 and not any(self._params_step_dict.values())
+        if self._freed_in_comm and fresh:
+            raise ValueError(f"bucket {self._id}: a new step started while last step's grad "
+                             "buffer (what free_grads_in_comm kept) is still allocated; after "
+                             "the optimizer step drop the grads and call release()")
+        super().add_grad(param, use_comm)
+
+    def _copy_grad_to_buffer(self, param):
+        first = self._params_step_dict.get(param) == 0
+        if self.grad_storage is None and first and self._comm_queue is not None:
+            self._comm_queue.complete_all()  # free the buckets in flight before allocating
+        super()._copy_grad_to_buffer(param)
+
+    def _comm_grads(self):
+        super()._comm_grads()
+        if self._comm_queue is not None:
+            self._comm_queue.issued(self)
+
+    def scale_grads(self):
+        if self._task is _DONE:  # completed (and freed) by the queue during backward
+            self._reset_params_checked_in()
+        else:
+            super().scale_grads()
+
+    def _changed_in_flight(self):
+        return self._task is not _DONE and super()._changed_in_flight()
+
+    @torch.no_grad()
+    def _complete_comm(self):
+        """Wait, scale what this rank reads, free the rest."""
+        if self._comm_queue is not None and self in self._comm_queue.in_flight:
+            self._comm_queue.in_flight.remove(self)
+        self._task.wait()
+        self._task = _DONE  # let go of the work: it holds the buffer
+        scale = self._scales_after_comm and self._reads()
+        if self._act == HOOK_ACTION.REDUCE_SCATTER:
+            local = self._local_shard(self.grad_storage)
+            shard = local * (1.0 / self._nranks) if scale else local.clone()
+            del local
+            _drop_aliasing_grads(self._params, self.use_main_grad, self._drop_grad_storage())
+            for view in self._sharding_param_grad_view.values():
+                view._reset_grad_buffer(shard)
+            self.grad_storage = shard
+        elif not self._reads():  # REDUCE, not the owner: nothing to keep
+            _drop_aliasing_grads(self._params, self.use_main_grad, self._drop_grad_storage())
+        elif scale:
+            self.grad_storage.mul_(1.0 / self._nranks)
+        self._freed_in_comm = True
+
+    def _clear_grad_storage(self):
+        super()._clear_grad_storage()
+        self._freed_in_comm = False
