@@ -1,22 +1,16 @@
 """Fused gradient buffers with `release_grads`: Paddle's `tensor_fusion_helper.py` in torch.
 
 Mirrors `python/paddle/distributed/fleet/utils/tensor_fusion_helper.py` at commit 9b40c67f672f
-(PR #59739). A `FusedCommBuffer` packs the grads of a bucket of params into one flat tensor, so
-that one collective per bucket (all-reduce for data parallel, reduce to the owner for sharding
-v1, reduce-scatter for sharding v2) runs during backward, once every param has checked in
-`acc_steps` micro-batches. Without release the buffer lives for the whole run and each
-`param.grad` (or fp32 `param.main_grad`) is a view of its slot. With release nothing is
-allocated up front: a param's first check-in of a step allocates the buffer, adds its grad in
-and re-points the grad at its slot; later micro-batches accumulate in place; after the
-optimizer step the caller drops the grads and calls `_clear_grad_storage()` (or `release()`).
+(PR #59739). A `FusedCommBuffer` packs a bucket's grads into one flat tensor, so that one
+collective per bucket (all-reduce for dp, reduce to the owner for sharding v1, reduce-scatter
+for v2) runs during backward once every param has checked in `acc_steps` micro-batches. Without
+release the buffer lives for the whole run, each grad a view of its slot. With release a step's
+first check-in allocates it and re-points the grad at its slot; after the optimizer step the
+caller drops the grads and calls `_clear_grad_storage()` (`release()`).
 Phases of a step: check in -> communicate -> wait and scale -> step -> release.
-
-Sections: layout; hooks and helpers; agreeing across ranks (`agree`); firing buckets in order
-(`BucketScheduler`); the fused buffer; process groups (timeouts, the current device).
-Differs from the seed: a bf16 / fp16 buffer is divided by the ranks before its sum
-(`sums_in_16_bits`). Leaves out: `use_reduce_avg`, timers, XPU paths; [later]
-`free_grads_in_comm` is `relgrad_extras/free_in_comm.py`. Rules and errors: docs/contract.md.
-
+Sections: layout; hooks and helpers; agreeing across ranks (`agree`); the fused buffer.
+Differs from the seed: 16-bit buffers are divided before their sum (`sums_in_16_bits`).
+Leaves out: `use_reduce_avg`, timers, XPU; [later] `free_grads_in_comm`: relgrad_extras/.
 References: Paddle PRs #59739, #58441, #58462, #58621; Rajbhandari et al., "ZeRO" (2020).
 """
 import pickle
@@ -41,10 +35,7 @@ def _grad_of(param, use_main_grad):
 
 
 def _set_grad(param, use_main_grad, value):
-    if use_main_grad:
-        param.main_grad = value
-    else:
-        param.grad = value
+    setattr(param, "main_grad" if use_main_grad else "grad", value)
 
 
 def _share_param_buffer(param, param_buffer, index):
@@ -55,20 +46,15 @@ def _share_param_buffer(param, param_buffer, index):
 
 
 class ShardingGradView:
-    """One param's place in a REDUCE_SCATTER bucket (Paddle's `ShardingGradView`).
-
-    The param holds elements `[index, index + padded_size)` of the flat param and grad buffers.
-    This rank owns `[rank * shard, (rank + 1) * shard)`; `_param_begin:_param_end` is the
-    overlap (buffer elements; may be empty, may include padding). `_slice_grad` is the 1-D grad
-    view of that overlap; the optimizer's slice param is the same range of the param buffer.
-    """
+    """One param's place in a REDUCE_SCATTER bucket (Paddle's `ShardingGradView`): elements
+    `[index, index + padded_size)` of the flat buffers; `_param_begin:_param_end` is the overlap
+    with this rank's shard (may be empty or hold padding), `_slice_grad` the grad's view of it."""
 
     def __init__(self, param, param_buffer, grad_buffer, index, padded_size, sharding_degree,
                  rank, use_main_grad=False, release_grad=False):
         self._param, self._param_buffer, self._grad_buffer = param, param_buffer, grad_buffer
         self._index, self._padded_size, self._use_main_grad = index, padded_size, use_main_grad
         shard = param_buffer.numel() // sharding_degree
-        self._rank_begin = rank * shard
         self._param_begin = max(index, rank * shard)
         self._param_end = min(index + padded_size, (rank + 1) * shard)
         # Differs from Paddle: an overlap of padding only counts as empty (no slice, no state).
@@ -97,23 +83,15 @@ class ShardingGradView:
         if self._slice_grad is None:
             return
         self.fill_slice_param(slice_param)
-        if self._use_main_grad:
-            current = getattr(slice_param, "main_grad", None)
-        else:
-            current = slice_param.grad
+        current = getattr(slice_param, "main_grad" if self._use_main_grad else "grad", None)
         if current is None:
             _set_grad(slice_param, self._use_main_grad, self._slice_grad)
         else:  # as Paddle asserts: a bound slice grad is this step's `_slice_grad`
             assert current.data_ptr() == self._slice_grad.data_ptr(), "stale slice grad"
 
-    def _reset_grad_buffer(self, slice_grad_buffer=None):
-        """Drop the grad buffer references; with `slice_grad_buffer` (this rank's shard, 1-D)
-        re-point `_slice_grad` into it (Paddle's `_reset_grad_buffer`)."""
-        self._slice_grad, self._grad_buffer = None, slice_grad_buffer
-        if slice_grad_buffer is not None and self._has_local:
-            begin = self._param_begin - self._rank_begin
-            self._slice_grad = slice_grad_buffer[begin : begin + self._param_end
-                                                 - self._param_begin]
+    def _reset_grad_buffer(self):
+        """Drop the references into the grad buffer (Paddle frees them, `_clear_dataptr`)."""
+        self._slice_grad = self._grad_buffer = None
 
 
 def build_reduce_scatter_buffer(params, sharding_degree, rank, use_main_grad=False,
@@ -121,12 +99,10 @@ def build_reduce_scatter_buffer(params, sharding_degree, rank, use_main_grad=Fal
     """Lay out a REDUCE_SCATTER bucket; move `params` into one flat param buffer.
 
     Each param pads to a multiple of `unit = (256 / elem_size) * sharding_degree` elements, so
-    every rank's shard starts on a 256-byte boundary. Worked example, bf16 params of 300, 1000
-    and 20 elements on 4 ranks: unit 512; padded 512, 1024, 512; total 2048, shard 512; the
-    second straddles ranks 1 and 2 (rank 2's piece ends in 24 padding elements), the third is
-    20 elements plus padding on rank 3. Returns `(views: {param: ShardingGradView}, total
-    elements, param_buffer, grad_buffer)`; the grad buffer (fp32 with main_grad, else the
-    param dtype, zeros) is None when releasing.
+    every shard starts on a 256-byte boundary. Worked example, bf16 params of 300, 1000 and 20
+    elements on 4 ranks: unit 512; padded 512, 1024, 512; shard 512; the second straddles ranks
+    1 and 2 (rank 2's piece ends in 24 padding elements). Returns `(views, total elements,
+    param_buffer, grad_buffer)`; the grad buffer (zeros) is None when releasing.
     """
     dtype, device = params[0].dtype, params[0].device
     unit = ALIGNMENT_BYTES // dtype.itemsize * sharding_degree
@@ -150,11 +126,9 @@ def flatten_dense_tensors(params, use_main_grad=False, fuse_param=False, release
     """Lay out an ALL_REDUCE / REDUCE bucket and allocate its storage (Paddle's name).
 
     A slot is the param's numel padded to 256 bytes in the *param* dtype, also for fp32 main
-    grads (bf16, 1000 elements: 2000 B + 48 B of padding, a slot of 1024 elements, 4096 B of
-    fp32). With `release_grad` only the layout; else `zeros(buffer_size)` of the grad dtype,
-    each grad (main_grad) made the view of its slot, and with `fuse_param` the params moved into
-    one flat buffer too. Returns `(param_storage or None, grad_storage or None, buffer_size,
-    param2offset: {param: element offset})` (Paddle returns 3 or 4 values; here always 4).
+    grads (bf16, 1000 elements: 48 B of padding, a slot of 1024 elements). With `release_grad`
+    only the layout; else `zeros(buffer_size)`, each grad the view of its slot (`fuse_param`:
+    params too). Returns `(param_storage, grad_storage, buffer_size, param2offset)`.
     """
     size, param2offset = 0, {}
     for p in params:
@@ -204,8 +178,7 @@ def main_grad_or_grad(param):
 
 @torch.no_grad()
 def densify_grads(params):
-    """Replace each sparse `main_grad` / `grad` (nn.Embedding(sparse=True)) by its dense sum,
-    as backward leaves it in a dense grad: c10d has no sparse collectives. Beyond Paddle."""
+    """Make each sparse `main_grad` / `grad` its dense sum (c10d has no sparse collectives)."""
     for p in params:
         for name in ("main_grad", "grad"):
             g = getattr(p, name, None)
@@ -214,23 +187,15 @@ def densify_grads(params):
 
 
 def sums_in_16_bits(dtype):
-    """True for bf16 / fp16: a SUM collective over such grads divides by the ranks first.
-
-    Differs from the seed, which scales after the sum in every dtype: a 16-bit sum can overflow
-    where the mean fits (fp16: 40000 + 30000 = inf; the mean 35000 fits), so 16-bit grads are
-    divided before, as DDP does (Paddle later added `use_reduce_avg` for this). fp32 / fp64
-    keep the seed's order, bitwise.
-    """
+    """True for bf16 / fp16, whose SUM collectives divide by the ranks first (differs from the
+    seed: a 16-bit sum can overflow where the mean fits, fp16 40000 + 30000 = inf; DDP divides
+    first too, Paddle later added `use_reduce_avg`). fp32 / fp64 keep the seed's order."""
     return dtype.is_floating_point and dtype.itemsize < 4
 
 
 def assign_group_by_size(params, group_size=128 * 1024 * 1024):
-    """Split `params` into buckets of about `group_size` bytes (param dtype), one dtype each.
-
-    Paddle's `assign_group_by_size`: params in order; a bucket closes once its bytes reach
-    `group_size` (its last param may overshoot); buckets numbered by their first param.
-    Returns `OrderedDict[int, list[Tensor]]`. Raises ValueError for `group_size` <= 0.
-    """
+    """Paddle's: `params` in order into buckets of one dtype closed once they reach
+    `group_size` bytes; numbered by their first param. Returns `OrderedDict[int, list]`."""
     if group_size <= 0:
         raise ValueError(f"group_size must be > 0 bytes, got {group_size}")
     open_buckets, closed = {}, []
@@ -245,13 +210,9 @@ def assign_group_by_size(params, group_size=128 * 1024 * 1024):
 
 
 def bw_hook_func(buffer, param, use_comm=True):
-    """Hook for `param.register_post_accumulate_grad_hook`: `buffer.add_grad(param, use_comm)`.
-
-    Paddle registers it with `param._register_backward_hook`, which, like torch's
-    post-accumulate hook, runs after the micro-batch's grad was accumulated. Differs from
-    Paddle: the hook holds the buffer weakly (a cycle through a tensor's hooks is never
-    collected in torch); keep the buffers alive while training (a dead one raises).
-    """
+    """Hook for `param.register_post_accumulate_grad_hook` (Paddle: `_register_backward_hook`,
+    also after accumulation): `buffer.add_grad(param, use_comm)`. Holds the buffer weakly (a
+    cycle through a tensor's hooks is never collected in torch)."""
     return _weak_hook(lambda b, p: b.add_grad(p, use_comm=use_comm), buffer)
 
 
@@ -271,13 +232,10 @@ def _weak_hook(call, *owners):
 
 
 def register_main_grad_hooks(params):
-    """Keep an fp32 `param.main_grad` beside low-precision params (Paddle's MixPrecisionLayer).
-
-    Sets `main_grad = None` on every trainable param and registers a post-accumulate hook that
-    creates `main_grad` as an fp32 copy of the grad (first micro-batch) or adds into it, then
-    drops `param.grad`. Register before the buffer hooks: torch runs them in registration
-    order. Returns the hook handles.
-    """
+    """Keep an fp32 `param.main_grad` beside low-precision params (Paddle's MixPrecisionLayer):
+    a post-accumulate hook makes it an fp32 copy of the grad (first micro-batch) or adds into
+    it, then drops `param.grad`. Register before the buffer hooks (torch runs them in order).
+    Returns the hook handles."""
     handles = []
     for p in params:
         if p.requires_grad:
@@ -301,55 +259,40 @@ def _update_main_grad(param):
 # ============================================================================================
 
 _NONE = -2 ** 63  # "no value here": the identity of MAX
-_ROUNDS = Counter()  # ranks -> agreements over the store (keys must not repeat)
+_ROUNDS = Counter()  # (kind, ranks) -> store rounds this process ran (keys must not repeat)
+_TIMEOUT_WORDS = re.compile(r"time[ds]?[ _-]?out|timing out|deadline exceeded", re.IGNORECASE)
 
 
 def _words(value):
-    """`value` as int64 words, exactly: numbers (and bools) by their float64 bits, None as
-    `_NONE`, tuples / lists element by element, anything else by the bytes of its repr."""
-    if value is None:
-        return [_NONE]
-    if isinstance(value, (bool, int, float)):
-        return [struct.unpack("<q", struct.pack("<d", float(value)))[0]]
+    """`value` (a number, bool, None, or a tuple / list of them) as int64 words, exactly:
+    numbers by their float64 bits, None as `_NONE`."""
     if isinstance(value, (tuple, list)):
         return [w for v in value for w in _words(v)]
-    raw = repr(value).encode()
-    raw += b"\0" * (-len(raw) % 8)
-    return [len(raw)] + list(struct.unpack(f"<{len(raw) // 8}q", raw))
+    return [_NONE if value is None else struct.unpack("<q", struct.pack("<d", float(value)))[0]]
 
 
-def agree(groups, problems=(), same=(), flags=(), device=None, timeout=None, sizes=False,
-          via_store=False, title=None):
+def agree(groups, problems=(), same=(), flags=(), device=None, timeout=None, via_store=False,
+          title=None):
     """Agree over every rank of `groups` (in turn; None = WORLD). Beyond Paddle.
 
-    Args:
-        problems: `[(rule, detail)]`: `detail` is what this rank saw (str) or None.
-        same: `[(name, value)]`: values that must be equal on every rank (None: no value here).
-        flags: `[bool]`, returned OR-ed over the ranks (e.g. "this rank has a grad").
-        device: of the flags tensor (the collective's device). timeout: a timedelta for each
-            all-reduce; a rank that does not arrive raises TimeoutError naming it (`.absent`).
-        sizes: first agree on the payload's length (for values whose size may differ).
-        via_store: exchange through the default store instead of a collective.
-        title: the rule a difference of `same` breaks, said first (e.g. "build alike").
-    Usual path: one all-reduce (MAX) of int64 words: problem flags, flags, and each word `w` of
-    `same` as `(w, ~w)` (max and ~min: equal iff the values are). Only when something is
-    flagged are every rank's details gathered, so that every rank raises the same ValueError
-    naming the ranks and what each saw. Returns the OR-ed flags. docs/contract.md#agreement.
+    `problems`: `[(rule, detail)]`, detail what this rank saw (str) or None. `same`: `[(name,
+    value)]`, values that must be equal everywhere (`_words`, the same width on every rank;
+    None: no value here). `flags`: bools, returned OR-ed. `timeout`: per all-reduce (a rank
+    that never arrives: TimeoutError, `.absent` its ranks). `via_store`: through the default
+    store, any picklable values. `title`: the rule a differing `same` breaks.
+    Usual path: one all-reduce (MAX) of int64 words: problem flags, flags, and each word `w`
+    of `same` as `(w, ~w)` (max and ~min: equal iff the values are). Only when something is
+    flagged are the details gathered: every rank raises the same ValueError, naming the ranks.
     """
     mine = (dist.get_rank(), [d for _, d in problems], [v for _, v in same])
     if via_store:
-        seen = _exchange_via_store(groups, mine)
+        seen = _gather(mine, groups, via_store=True)
         if any(d is not None for _, ds, _ in seen for d in ds) or len(
                 {repr(vs) for _, _, vs in seen}) > 1:
             raise ValueError(_disagreement(problems, same, seen, title))
         return []
-    words = [w for _, v in same for w in _words(v)]
     body = [int(d is not None) for _, d in problems] + [int(bool(f)) for f in flags]
-    body += [x for w in words for x in ((w, w) if w == _NONE else (w, ~w))]
-    if sizes:
-        low_high = _all_max([len(body), ~len(body)], groups, device, timeout)
-        if low_high[0] != ~low_high[1]:  # the payloads differ in length: they differ
-            raise ValueError(_disagreement(problems, same, _gather(mine, groups), title))
+    body += [x for _, v in same for w in _words(v) for x in ((w, w) if w == _NONE else (w, ~w))]
     got = _all_max(body, groups, device, timeout)
     n, pairs = len(problems), got[len(problems) + len(flags):]
     if any(got[:n]) or any(a != b and a != ~b for a, b in zip(pairs[::2], pairs[1::2])):
@@ -361,61 +304,50 @@ def _all_max(values, groups, device, timeout):
     """`values` (int64) all-reduced with MAX over each of `groups` in turn, as a list."""
     tensor = torch.tensor(values, dtype=torch.int64, device=device)
     for group in groups:
-        key = _arrive(group) if timeout is not None else None
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        if timeout is not None:  # mark the arrival, to name who never came
+            key = _round_key("arrive", ranks)
+            _store().set(f"{key}/{dist.get_rank()}", "")
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
         try:
             work.wait(timeout) if timeout is not None else work.wait()
         except RuntimeError as error:
-            if key is None or not is_timeout_error(error):
+            if timeout is None or not is_timeout_error(error):
                 raise
-            absent = [r for r in _ranks(group) if not _store().check([f"{key}/{r}"])]
-            late = TimeoutError(f"global rank(s) {absent} did not reach the agreement within "
+            late = TimeoutError(f"not every rank reached the agreement within "
                                 f"{timeout.total_seconds():g} s")
-            late.absent = absent
+            late.absent = [r for r in ranks if not _store().check([f"{key}/{r}"])]
             raise late from error
     return tensor.tolist()
 
 
-def _ranks(group):
-    return dist.get_process_group_ranks(group or dist.group.WORLD)
-
-
 def _round_key(kind, ranks):
-    """A store key for this process's next agreement of `kind` over `ranks` (every rank of
-    them counts its agreements alike, as for a collective)."""
+    """This process's next store key of `kind` over `ranks` (counted alike on every rank)."""
     ranks = tuple(ranks)
     _ROUNDS[kind, ranks] += 1
     return f"relgrad/{kind}/{','.join(map(str, ranks))}/{_ROUNDS[kind, ranks]}"
 
 
-def _arrive(group):
-    """Note in the store that this rank reached its next agreement over `group`."""
-    key = _round_key("arrive", _ranks(group))
-    _store().set(f"{key}/{dist.get_rank()}", "")
-    return key
-
-
-def _gather(obj, groups):
-    """Every rank's `obj` over `groups` in turn (one all_gather_object per group), by rank."""
+def _gather(obj, groups, via_store=False):
+    """Every rank's `obj` over `groups` in turn (by rank): an all_gather_object per group, or
+    an exchange through the default store (within its timeout, the default group's)."""
     seen = [obj]
     for group in groups:
-        out = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, seen, group=group)
+        if via_store:
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            key, store = _round_key("store", ranks), _store()
+            store.set(f"{key}/{dist.get_rank()}", pickle.dumps(seen))
+            store.wait([f"{key}/{r}" for r in ranks])
+            out = [pickle.loads(store.get(f"{key}/{r}")) for r in ranks]
+        else:
+            out = [None] * dist.get_world_size(group)
+            dist.all_gather_object(out, seen, group=group)
         seen = [o for part in out for o in part]
     return sorted({s[0]: s for s in seen}.values(), key=lambda s: s[0])
 
 
-def _exchange_via_store(groups, obj):
-    ranks = sorted({r for g in groups for r in _ranks(g)})
-    key, store = _round_key("store", ranks), _store()
-    store.set(f"{key}/{dist.get_rank()}", pickle.dumps(obj))
-    store.wait([f"{key}/{r}" for r in ranks])  # the store's timeout: the default group's
-    return [pickle.loads(store.get(f"{key}/{r}")) for r in ranks]
-
-
 def _disagreement(problems, same, seen, title=None):
-    """The one text every rank raises: each rule seen (where, what) and each value that
-    differs (which ranks hold which value), after `title` if a value differs."""
+    """The text every rank raises: each rule seen (where, what), each value that differs."""
     texts = []
     for i, (rule, _) in enumerate(problems):
         where = [(r, ds[i]) for r, ds, _ in seen if ds[i] is not None]
@@ -428,21 +360,32 @@ def _disagreement(problems, same, seen, title=None):
             if vs[i] is not None:
                 values.setdefault(repr(vs[i]), []).append(r)
         if len(values) > 1:
+            a, b = list(values)[:2]
+            at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), 0)
             texts.append(f"{name} differs across ranks: " + ", ".join(
-                f"{_around(v, list(values))} on global rank(s) {rs}"
-                for v, rs in values.items()))
+                f"{_cut(v, at)} on global rank(s) {rs}" for v, rs in values.items()))
     if title and any(" differs across ranks: " in t for t in texts):
         texts.insert(0, title)
-    return "; ".join(texts) or "the ranks disagree"
+    return "; ".join(texts)
 
 
-def _around(text, texts, width=120):
-    """`text`, cut to `width` characters around where the first two of `texts` differ."""
-    a, b = texts[0], texts[1]
-    start = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    start = max(0, start - width // 3) if len(text) > width else 0
-    cut = ("..." if start else "") + text[start : start + width]
-    return cut + ("..." if start + width < len(text) else "")
+def _cut(text, at, width=120):  # `text`, at most `width` characters around position `at`
+    start = max(0, at - width // 3) if len(text) > width else 0
+    return ("..." if start else "") + text[start : start + width]
+
+
+def is_timeout_error(error):
+    """True if `error` reports a timeout (gloo's "Timed out", NCCL's "timing out")."""
+    return isinstance(error, (RuntimeError, TimeoutError)) and bool(
+        _TIMEOUT_WORDS.search(str(error)))
+
+
+def _store():
+    """The default group's store (a side channel beside the collectives), or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 (private API)
+        return None
 
 
 # ============================================================================================
@@ -457,24 +400,14 @@ _ADDRESS_MSG = ("The address of the grad/main_grad of {name} changed during trai
 class FusedCommBuffer:
     """One bucket's fused grad buffer and its collective (Paddle's `FusedCommBuffer`).
 
-    Args:
-        id: bucket index, for messages. params: trainable params of one dtype and device.
-        comm_group: process group of the collective (None = WORLD).
-        acc_steps: check-ins per param (micro-batches) before the collective fires.
-        act: a HOOK_ACTION. dst: for REDUCE, the *global* rank that gets the sum; else -1.
-        use_main_grad: read `param.main_grad` (fp32 buffer); None = whether params[0] has it.
-        fuse_param: also move the params into one flat buffer (not with release).
-        scale_after_comm: scale by 1/nranks after the collective (else before).
-        release_grads: allocate the buffer at a step's first check-in, free it at release.
-    Attributes: `grad_storage` (1-D, `buffer_size` elements, None while released),
-    `param_storage`, `param2offset` (ALL_REDUCE / REDUCE), `_sharding_param_grad_view`
-    (REDUCE_SCATTER). Params are keys by identity (Paddle: by name). Raises ValueError for the
-    arguments docs/contract.md#the-fused-buffer lists.
-
-    A step: hook every param (`bw_hook_func`, after `register_main_grad_hooks` if any); run
-    `acc_steps` backwards of a loss scaled by 1/acc_steps (the last one fires the collective);
-    `scale_grads()`; step; then zero the grads in place (release off) or drop them and call
-    `_clear_grad_storage()` (release on).
+    Args: `id` (for messages); `params` (trainable, one dtype and device); `comm_group` (None
+    = WORLD); `acc_steps` (check-ins per param before the collective fires); `act` (a
+    HOOK_ACTION); `dst` (REDUCE: the *global* rank that gets the sum, else -1);
+    `use_main_grad` (None: whether params[0] has `main_grad`); `fuse_param`;
+    `scale_after_comm`; `release_grads`. `grad_storage` is 1-D, `buffer_size` elements, None
+    while released. A step: hook every param (`bw_hook_func`); `acc_steps` backwards of a loss
+    scaled by 1/acc_steps (the last fires the collective); `scale_grads()`; step; zero the
+    grads in place (release off) or drop them and `release()`. Errors: docs/contract.md.
     """
 
     def __init__(self, id, params, comm_group, acc_steps=1, act=None, dst=-1,
@@ -493,7 +426,6 @@ class FusedCommBuffer:
         self.use_main_grad = (use_main_grad if use_main_grad is not None
                               else hasattr(params[0], "main_grad"))
         self._dtype = torch.float32 if self.use_main_grad else params[0].dtype
-        self._task, self._grads_to_addr = None, {}
         self._reset_params_checked_in()
         with torch.no_grad():
             if act != HOOK_ACTION.REDUCE_SCATTER:
@@ -506,8 +438,8 @@ class FusedCommBuffer:
                     params, self._nranks, dist.get_rank(comm_group), self.use_main_grad,
                     release_grads)
                 params[0].comm_buffer_ref = weakref.ref(self)  # how v2 finds the pipeline's
-        if not release_grads:
-            self._grads_to_addr = {p: _addr(_grad_of(p, self.use_main_grad)) for p in params}
+        self._grads_to_addr = {} if release_grads else {  # Paddle's _record_addr
+            p: _addr(_grad_of(p, self.use_main_grad)) for p in params}
 
     @property
     def params(self):
@@ -533,12 +465,7 @@ class FusedCommBuffer:
                 and len(self._params_step_dict) == 0)
 
     def add_grad(self, param, use_comm=True):
-        """Check `param` in for this micro-batch; issue the collective once all are in.
-
-        Without release, the grad must still be the view of its slot (Paddle's address check);
-        with release, its first check-in moves it into the buffer (`_copy_grad_to_buffer`).
-        Raises ValueError as docs/contract.md#the-fused-buffer says.
-        """
+        """Check `param` in for this micro-batch; issue the collective once all are in."""
         self._check_check_in(param)  # beyond Paddle: misplaced, hooks, release, address
         # Seed hunk (reconstructed, point 2): release moves the grad in; else the address check
         if self._release_grads:
@@ -553,9 +480,8 @@ class FusedCommBuffer:
             self.comm_grads()
 
     def _check_check_in(self, param):
-        """Beyond Paddle: a param of another bucket or checked in too often, main-grad hooks
-        after the buffer's, a step started before the last one was released, and ([later],
-        PR #64460) under release the address check on the check-ins after the first."""
+        """Beyond Paddle: a misplaced check-in, hooks in the wrong order, a step started before
+        the last was released, and [later, PR #64460] the address check under release."""
         if param not in self._params_step_dict:
             what = self._name(param) if param in self._index else (
                 f"a param of shape {tuple(param.shape)}")
@@ -566,28 +492,21 @@ class FusedCommBuffer:
             raise ValueError(f"add_grad: {self._name(param)} still has its low-precision grad: "
                              "register_main_grad_hooks must be registered before the buffer's "
                              "hooks")
+        count, storage = self._params_step_dict[param], self.grad_storage
         fresh = self._params_checked_in == 0 and not any(self._params_step_dict.values())
-        if self._release_grads and fresh and self.grad_storage is not None:
+        if self._release_grads and fresh and storage is not None:
             raise ValueError(f"bucket {self._id}: a new step started while last step's grad "
                              "buffer is still allocated; after the optimizer step drop the "
                              "grads and call release()")
-        if self._release_grads and self._params_step_dict[param] > 0 and (
-                _addr(_grad_of(param, self.use_main_grad)) != self._slot_addr(param)):
+        if self._release_grads and count > 0 and _addr(_grad_of(param, self.use_main_grad)) != (
+                self._slot(param) if self._act != HOOK_ACTION.REDUCE_SCATTER else
+                self._sharding_param_grad_view[param]._slice_grad_from_buffer()).data_ptr():
             raise ValueError(_ADDRESS_MSG.format(name=self._name(param)))
-
-    def _slot_addr(self, param):
-        if self._act == HOOK_ACTION.REDUCE_SCATTER:
-            index = self._sharding_param_grad_view[param]._index
-        else:
-            index = self.param2offset[param]
-        storage = self.grad_storage
-        return None if storage is None else storage.data_ptr() + index * storage.element_size()
 
     @torch.no_grad()
     def _copy_grad_to_buffer(self, param):
-        """Release: at the param's first check-in of a step, move its grad into its slot:
-        allocate `zeros(buffer_size)` if absent, add the grad in, re-point the grad at the
-        slot (shape `param.shape`); later micro-batches then accumulate in place."""
+        """Release, at the param's first check-in of a step: allocate the buffer if absent, add
+        the grad into its slot, re-point the grad at the slot (later ones accumulate there)."""
         _fill_grad(param, self.use_main_grad)  # beyond Paddle: sparse made dense, None zeros
         # Seed hunk (reconstructed, point 3): allocate if absent, add the first grad in
         if self._params_step_dict[param] > 0:
@@ -606,30 +525,20 @@ class FusedCommBuffer:
 
     @torch.no_grad()
     def _clear_grad_storage(self):
-        """Release: drop the grad buffer after the optimizer step (Paddle's name).
-
-        Paddle frees with `_clear_dataptr()`; in torch a storage is freed with its last
-        reference, so every reference the buffer holds goes, and (beyond Paddle) every bucket
-        grad that still aliases it. Beyond Paddle: the check-ins reset with it; nothing
-        allocated is a no-op (Paddle raises), so `zero_grad()` may run at any point; a
-        collective in flight or a buffer built without release raises RuntimeError.
-        """
-        self._check_release()  # beyond Paddle: release on, nothing in flight
-        storage = self._drop_grad_storage()
-        _drop_aliasing_grads(self._params, self.use_main_grad, storage)  # beyond Paddle
+        """Release: drop the grad buffer after the optimizer step. Paddle frees with
+        `_clear_dataptr()`; torch frees a storage with its last reference, so every reference
+        goes, beyond Paddle the bucket grads aliasing it too. Nothing allocated: a no-op."""
+        if not self._release_grads or self._task is not None:
+            raise RuntimeError(f"bucket {self._id}: " + (
+                "built with release_grads=False: its grad buffer must persist; zero the grads "
+                "in place" if not self._release_grads else "a collective on the buffer is in "
+                "flight: call scale_grads() before releasing it"))
+        _drop_aliasing_grads(self._params, self.use_main_grad, self._drop_grad_storage())
         self._reset_params_checked_in()
 
     def release(self):
-        """`_clear_grad_storage()` under a public name (torch users call it after the step)."""
+        """`_clear_grad_storage()` under a public name, for torch users' loops."""
         self._clear_grad_storage()
-
-    def _check_release(self):
-        if not self._release_grads:
-            raise RuntimeError(f"bucket {self._id} was built with release_grads=False: its grad "
-                               "buffer must persist; zero the grads in place instead")
-        if self._task is not None:
-            raise RuntimeError(f"bucket {self._id}: a collective on the grad buffer is in "
-                               "flight; call scale_grads() before releasing the buffer")
 
     def _drop_grad_storage(self):
         """Drop `grad_storage` and the views into it; return the dropped storage."""
@@ -670,8 +579,7 @@ class FusedCommBuffer:
             self._task = dist.reduce(storage, dst=self._dst, group=group, async_op=True)
         else:  # in place: this rank's shard of the same buffer receives the reduced shard
             self._task = _reduce_scatter(self._local_shard(storage), storage, group)
-        # A collective does not bump the version counter; an in-place op on a grad does.
-        self._issued_version = storage._version
+        self._issued_version = storage._version  # collectives do not bump it; in-place ops do
 
     def _changed_in_flight(self):
         """Beyond Paddle: the buffer was changed in place after its collective was issued."""
@@ -685,12 +593,8 @@ class FusedCommBuffer:
 
     @torch.no_grad()
     def scale_grads(self):
-        """Wait for the collective, scale by 1/nranks (if after comm), reset the check-ins.
-
-        Only what this rank reads is scaled (Paddle scales the whole buffer): its shard after
-        a reduce-scatter, the owner's buffer after a reduce. Raises RuntimeError if no
-        collective was issued this step.
-        """
+        """Wait for the collective, scale by 1/nranks what this rank reads (Paddle: the whole
+        buffer), reset the check-ins. RuntimeError if none was issued."""
         if self._task is None:
             raise RuntimeError(f"bucket {self._id}: no collective in flight, so nothing to wait "
                                f"for: {self._check_in_status()}. A param that gets no grad in "
@@ -735,70 +639,56 @@ def _addr(grad):
 
 @torch.no_grad()
 def _fill_grad(param, use_main_grad):
-    """Beyond Paddle: a sparse grad becomes its dense sum (as backward adds it into a dense
-    view); a missing one becomes zeros (release off would hold its zero slot)."""
+    """Beyond Paddle: a sparse grad made dense; a missing one zeros (as release off's slot)."""
     densify_grads([param])
     if _grad_of(param, use_main_grad) is None:
-        dtype = torch.float32 if use_main_grad else param.dtype
-        _set_grad(param, use_main_grad, torch.zeros(param.shape, dtype=dtype,
-                                                    device=param.device))
+        _set_grad(param, use_main_grad, torch.zeros(param.shape, device=param.device, dtype=(
+            torch.float32 if use_main_grad else param.dtype)))
 
 
 def _drop_aliasing_grads(params, use_main_grad, storage):
-    """Drop each grad (main_grad) of `params` that is a view of `storage`: a stale view would
-    keep the freed memory and feed last step's values into the next step."""
-    if storage is None:
-        return
-    base = storage.untyped_storage().data_ptr()
-    for p in params:
-        grad = _grad_of(p, use_main_grad)
-        if grad is not None and grad.untyped_storage().data_ptr() == base:
-            _set_grad(p, use_main_grad, None)
+    """Drop the grads of `params` that view `storage` (they would keep it alive)."""
+    if storage is not None:
+        base = storage.untyped_storage().data_ptr()
+        for p in params:
+            grad = _grad_of(p, use_main_grad)
+            if grad is not None and grad.untyped_storage().data_ptr() == base:
+                _set_grad(p, use_main_grad, None)
 
 
 def _bad_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param, release_grads,
                      use_main_grad):
-    """What is wrong with FusedCommBuffer's arguments, or None (docs/contract.md)."""
+    """What is wrong with FusedCommBuffer's arguments, or None."""
     # Seed hunk (reconstructed, point 5): fuse_param with release is refused
     if fuse_param and release_grads:
         return "fuse_param=True and release_grads=True cannot be used together (as in Paddle)"
 
     acts = (HOOK_ACTION.ALL_REDUCE, HOOK_ACTION.REDUCE, HOOK_ACTION.REDUCE_SCATTER)
     without = [i for i, p in enumerate(params) if not hasattr(p, "main_grad")]
-    checks = [
+    frozen = [i for i, p in enumerate(params) if not p.requires_grad]
+    ranks = dist.get_process_group_ranks(comm_group or dist.group.WORLD)
+    return next((text for bad, text in [
         (not params, "needs at least one param; got an empty list (skip empty buckets)"),
         (len({p.dtype for p in params}) > 1, "a bucket holds one dtype, got "
          f"{sorted({str(p.dtype) for p in params})}; split it with assign_group_by_size"),
-        (act not in acts, "act must be HOOK_ACTION.ALL_REDUCE (data parallel), REDUCE "
-         f"(sharding v1) or REDUCE_SCATTER (sharding v2); got {act!r}"),
-        (act == HOOK_ACTION.REDUCE and dst == -1, "act=REDUCE needs dst, the global rank "
-         "that owns the bucket; got -1"),
-        (act != HOOK_ACTION.REDUCE and dst != -1, f"dst={dst} is only meaningful with "
-         "act=REDUCE; pass dst=-1"),
+        (act not in acts, f"act must be HOOK_ACTION.ALL_REDUCE, REDUCE or REDUCE_SCATTER: {act!r}"),
+        (act == HOOK_ACTION.REDUCE and dst == -1, "act=REDUCE needs dst, the owner's rank"),
+        (act != HOOK_ACTION.REDUCE and dst != -1, f"dst={dst} is only meaningful with act=REDUCE"),
+        (act == HOOK_ACTION.REDUCE and dst not in ranks, f"dst={dst} must be the global rank "
+         f"of a member of comm_group, one of {ranks}"),
         (fuse_param and act == HOOK_ACTION.REDUCE_SCATTER, "fuse_param is not supported "
          "with REDUCE_SCATTER (as in Paddle)"),
         (not isinstance(acc_steps, int) or acc_steps < 1, "acc_steps must be an int >= 1 "
          f"(micro-batches), got {acc_steps!r}"),
-        (any(not p.requires_grad for p in params), "params "
-         f"#{[i for i, p in enumerate(params) if not p.requires_grad]} do not require grad; "
-         "leave frozen params out of a bucket"),
+        (bool(frozen), f"params #{frozen} do not require grad; leave frozen params out"),
         (use_main_grad is None and 0 < len(without) < len(params), f"params #{without} "
          "have no main_grad while others do; call register_main_grad_hooks on every param, "
-         "or none, before building buffers"),
-        (act == HOOK_ACTION.REDUCE and dst != -1 and dst not in _ranks(comm_group),
-         f"dst={dst} must be the global rank of a member of comm_group, one of "
-         f"{_ranks(comm_group)}"),
-    ]
-    return next((text for bad, text in checks if bad), None)
+         "or none, before building buffers")] if bad), None)
 
-
-# The in-place collectives a REDUCE_SCATTER buffer uses, and where gloo would stage copies.
 
 def _stages_full_copies(group, tensor):
-    """True where `group`'s backend for `tensor`'s device is gloo, whose reduce-scatter and
-    all-gather stage a full-size copy of what they move (held until the wait). The buffer then
-    runs an in-place all-reduce (each rank reads its shard: the same sums, bitwise) and one
-    in-place broadcast per shard instead. NCCL runs both in place: Paddle's collectives."""
+    """True on gloo, whose reduce-scatter and all-gather stage a full-size copy: the buffer
+    then runs an in-place all-reduce (the same sums, bitwise) and a broadcast per shard."""
     return _backend_for(dist.get_backend(group), tensor.device.type) == "gloo"
 
 
@@ -818,23 +708,3 @@ def _reduce_scatter(output, input, group):  # torch 2.13 renamed these collectiv
 def _all_gather(output, input, group):
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(output, input, group=group)
-
-
-# Timeouts and the store, for `agree`.
-
-_TIMEOUT_WORDS = re.compile(r"time[ds]?[ _-]?out|timing out|deadline exceeded", re.IGNORECASE)
-
-
-def is_timeout_error(error):
-    """True if `error` (from `Work.wait(timeout)` or a blocking collective) reports a timeout:
-    gloo's "Timed out waiting ...", NCCL's "... timing out" / "Watchdog caught ... timeout"."""
-    return isinstance(error, (RuntimeError, TimeoutError)) and bool(
-        _TIMEOUT_WORDS.search(str(error)))
-
-
-def _store():
-    """The default group's store (a side channel beside the collectives), or None."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 (private API)
-        return None

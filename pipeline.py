@@ -1,23 +1,18 @@
 """Pipeline parallelism with 1F1B, fused grad comm overlap and `release_gradients` in torch.
 
 Mirrors `PipelineParallel` in `python/paddle/distributed/fleet/meta_parallel/pipeline_parallel.py`
-at commit 9b40c67f672f, with the seed diff's hunks (PR #59739); the schedule is Megatron-LM's
-non-interleaved 1F1B. Each rank holds one contiguous stage of a list of layers. `train_batch`
-cuts the batch into `accumulate_steps` micro-batches and runs warm-up (stage s of p runs
-p-s-1 forwards), steady 1F1B (one forward, one backward) and cool-down (the remaining
-backwards); activations and their grads cross stages by point-to-point send / recv. With comm
-overlap each stage's grads live in `FusedCommBuffer`s whose hooks fire each bucket's collective
-in the last micro-batch's backward; after the schedule every buffer is waited and scaled, and
-`_optimizer_step` steps and, with `release_gradients`, frees every buffer until the next step.
+at commit 9b40c67f672f (PR #59739); the schedule is Megatron-LM's non-interleaved 1F1B. Each rank
+holds one stage of a list of layers; `train_batch` cuts the batch into `accumulate_steps`
+micro-batches: warm-up (stage s of p runs p-s-1 forwards), steady 1F1B, cool-down; activations
+and their grads cross stages by send / recv. With comm overlap each stage's grads live in
+`FusedCommBuffer`s whose hooks fire the collectives in the last micro-batch's backward; after
+the schedule they are waited and scaled; `_optimizer_step` steps and, with
+`release_gradients`, frees every buffer until the next step's first backward.
 Phases of a step: warm-up -> steady 1F1B -> cool-down -> wait and scale -> step -> release.
-
-Beyond Paddle, so that every rank ends with the same clear error: a step opens with one small
-agreement over the job (`_agree_at_entry`), p2p waits are bounded by the pipe group's timeout
-(`PipelineStageTimeout` names the stage), and buckets fire in one order and are agreed on after
-the schedule (`sharding.BucketScheduler`). A rank that raises ends its process; the launcher
-(torchrun, `relgrad.launch`) ends the job. Ties across stages (`shared_weights`), Paddle's clip
-and the interleaved schedule live in `relgrad_extras/`. Leaves out: AMP scaler, timers.
-
+Beyond Paddle: a step opens with one agreement over the job (`_agree_at_entry`), p2p waits are
+bounded by the pipe group's timeout (`PipelineStageTimeout`), buckets fire in one order
+(`sharding.BucketScheduler`). A rank that raises ends its process; the launcher ends the job.
+Ties, Paddle's clip and interleave: `relgrad_extras/`. Leaves out: AMP scaler, timers.
 References: Paddle PRs #59739, #58441; Narayanan et al., "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM" (2021); Harlap et al., "PipeDream" (2018).
 """
@@ -27,11 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from comm_buffer import (HOOK_ACTION, FusedCommBuffer, agree, assign_group_by_size,
-                         global_rank, is_timeout_error, main_grad_or_grad as _grad)
+from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _addr, _grad_of, agree,
+                         assign_group_by_size, global_rank, is_timeout_error,
+                         main_grad_or_grad as _grad)
 from relgrad import check_current_device, group_timeout
-from sharding import (BucketScheduler, _check_grad_clip, agreed_all_reduce_mean, extras,
-                      norm_groups, plug_free_in_comm)
+from sharding import (BucketScheduler, _check_grad_clip, _comm_buffer_bytes,
+                      agreed_all_reduce_mean, extras, norm_groups, plug_free_in_comm)
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
@@ -72,36 +68,15 @@ def _clear_grad(optimizer, set_to_zero=True):
         optimizer.zero_grad(set_to_none=not set_to_zero)
 
 
-class _NoTies:
-    """What `PipelineParallel` asks of its tied weights when there are none."""
-
-    across_stages = False
-
-    def __bool__(self):
-        return False
-
-    def holds(self, bucket):
-        return False
-
-    def allreduce_shared_weight_gradients(self):
-        pass
-
-
 class PipelineParallel(nn.Module):
     """One pipeline stage of `layers`, trained with 1F1B (Paddle's `PipelineParallel`).
 
-    Args:
-        layers: list or nn.Sequential; an item is an nn.Module or a zero-argument callable that
-            builds one (Paddle's LayerDesc), called only on the stage that holds it.
-        hcg: e.g. `relgrad.HybridCommunicateGroup` (stage id, rank of a stage, pipe / dp /
-            sharding groups and sizes).
-        strategy: `relgrad.HybridStrategy`: degrees, accumulate_steps, micro_batch_size,
-            pp_configs, sharding_configs.
-        loss_fn: `loss_fn(output, label) -> scalar`, mean over the micro-batch; last stage only.
-        seg_boundaries: stage s holds `layers[b[s]:b[s+1]]`; default an even split by count.
-        shared_weights: None or ties across stages, e.g. `[("0.tok.weight", "5.proj.weight")]`
-            (Paddle's SharedLayerDesc; `relgrad_extras.shared_weights`, ImportError without).
-    Raises ValueError as docs/contract.md#the-pipeline lists.
+    Args: `layers` (nn.Modules or zero-argument callables building one, Paddle's LayerDesc);
+    `hcg` (e.g. `relgrad.HybridCommunicateGroup`); `strategy` (`relgrad.HybridStrategy`);
+    `loss_fn(output, label) -> scalar` (last stage); `seg_boundaries` (stage s holds
+    `layers[b[s]:b[s+1]]`, default an even split); `shared_weights` (ties across stages, e.g.
+    `[("0.tok.weight", "5.proj.weight")]`: `relgrad_extras.shared_weights`). Errors:
+    docs/contract.md.
     """
 
     def __init__(self, layers, hcg, strategy, loss_fn, seg_boundaries=None,
@@ -133,8 +108,8 @@ class PipelineParallel(nn.Module):
                                 self.accumulate_steps, dp=True)
 
     def _init_beyond_paddle(self, layers, bounds, shared_weights):
-        """Beyond Paddle: untied shares and the current device checked on every rank, the
-        p2p timeout, ties, the bucket scheduler and the step's phase; a trace for tests."""
+        """Beyond Paddle: untied shares and the current device checked on every rank; the p2p
+        timeout, ties, the bucket scheduler, the step's phase (sets only its own attributes)."""
         self._check_untied_shares(layers, bounds, shared_weights)
         check_current_device(list(self._layers.parameters()),
                              [self._hcg.get_pipe_parallel_group()], "PipelineParallel")
@@ -148,8 +123,7 @@ class PipelineParallel(nn.Module):
 
     _interleaved = False
 
-    def _check_config(self, hcg, num_virtual_stages):
-        """Paddle's overlap rules and the virtual stages, on every rank before any collective."""
+    def _check_config(self, hcg, num_virtual_stages):  # Paddle's overlap rules
         pp, dp, sharding = (self.num_stages, hcg.get_data_parallel_world_size(),
                             hcg.get_sharding_parallel_world_size())
         problem = next((text for bad, text in [
@@ -190,31 +164,25 @@ class PipelineParallel(nn.Module):
 
     def _shared_weights(self, shared_weights, bounds):
         if shared_weights is None:
-            return _NoTies()
+            return None
         tied = extras("shared_weights", "PipelineParallel(shared_weights=...)")
         return tied.SharedWeights(self._layers, self._hcg, shared_weights, bounds,
                                   self._device())
 
     def _build_layers(self, layers, seg_boundaries):
-        """This stage's `nn.Sequential` of `layers[b[s]:b[s+1]]`, and the boundaries b."""
         bounds = _cut_layers(layers, seg_boundaries, self.num_stages)
         return _build_segment(layers[bounds[self.stage_id] : bounds[self.stage_id + 1]]), bounds
 
-    def forward(self, x):
-        """This stage's layers on `x` (no communication)."""
+    def forward(self, x):  # this stage's layers (no communication)
         return self._layers(x)
 
     # ---- comm overlap: fused buffers whose hooks fire the collectives during backward ----
 
     def fused_gradient(self, model, comm_group, acc_steps, dp, param2rank=None,
                        group_size=128 * 1024 * 1024):
-        """Build `FusedCommBuffer`s for `model`'s trainable params and hook them (Paddle's).
-
-        Action: ALL_REDUCE for dp; REDUCE to each param's owner (`param2rank`, v1, buckets per
-        owner); REDUCE_SCATTER with split_param (v2). `model` is one chunk, or an
-        `nn.ModuleList` of this rank's chunks; chunk i's buckets go to
-        `_chunk_2_comm_buffers[i]`.
-        """
+        """Build `FusedCommBuffer`s for `model`'s trainable params and hook them (Paddle's):
+        ALL_REDUCE for dp, REDUCE to each param's owner (`param2rank`, v1), REDUCE_SCATTER with
+        split_param (v2). Chunk i of an `nn.ModuleList` goes to `_chunk_2_comm_buffers[i]`."""
         act = (HOOK_ACTION.ALL_REDUCE if dp else HOOK_ACTION.REDUCE_SCATTER
                if self._sharding_split_param else HOOK_ACTION.REDUCE)
         chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
@@ -235,21 +203,19 @@ class PipelineParallel(nn.Module):
         self._hook_buffers(dp)
 
     def _hook_buffers(self, dp):
-        """Beyond Paddle's `param._register_backward_hook(self.bw_hook_func(buffer, param))`:
-        every param checks in through the bucket scheduler (`bw_hook_func`), so the buckets
-        fire in one order on every rank; a tied copy's bucket waits for the tie sum."""
+        """Paddle's `param._register_backward_hook(self.bw_hook_func(buffer, param))`, through
+        the bucket scheduler (one firing order on every rank; a tied copy's waits for the sum)."""
         buffers = [b for bs in self._chunk_2_comm_buffers.values() for b in bs]
         free = not dp and self._strategy.hybrid_configs["sharding_configs"].free_grads_in_comm
         plug_free_in_comm(buffers, free)  # [later] PaddleNLP #9081
         for buffer in buffers:
             self._scheduler.add(buffer, param_hooks=False)
-            if self._shared.holds(buffer.params):
+            if self._shared and self._shared.holds(buffer.params):
                 self._scheduler.held.append(buffer)
             for p in buffer.params:
                 p.register_post_accumulate_grad_hook(self.bw_hook_func(buffer, p))
 
-    def bw_hook_func(self, buffer, param):
-        """The hook each param gets (Paddle's method name): check in to `buffer`."""
+    def bw_hook_func(self, buffer, param):  # Paddle's name: check in to `buffer`
         return self._scheduler.hook(buffer, param)
 
     def register_sharding_comm_overlap_hook(self, optimizer):
@@ -262,25 +228,20 @@ class PipelineParallel(nn.Module):
             if param2rank is None:
                 raise ValueError("sharding_comm_overlap without split_param needs a sharding v1 "
                                  "optimizer (DygraphShardingOptimizer), which owns _param2rank")
-        mb = getattr(self._strategy.hybrid_configs["sharding_configs"], "comm_buffer_size_MB",
-                     None)  # [later] Paddle's pipeline keeps 128 MB; we read it when set
-        size = {} if mb is None else {"group_size": mb * 1024 * 1024}
+        # [later] comm_buffer_size_MB, when set (Paddle's pipeline keeps 128 MB)
+        size = _comm_buffer_bytes(self._strategy.hybrid_configs["sharding_configs"], 128)
         self.fused_gradient(self._layers, self._hcg.get_sharding_parallel_group(),
-                            self.accumulate_steps, dp=False, param2rank=param2rank, **size)
+                            self.accumulate_steps, dp=False, param2rank=param2rank,
+                            group_size=size)
         self._sharding_hooks_registered = True
 
     # ---- one training step ----
 
     def train_batch(self, data, optimizer, lr_scheduler=None, grad_clip=None):
-        """Run 1F1B over `data = (inputs, labels)` (batch dim 0), then `_optimizer_step`.
-
-        Every rank of the pipe passes the same batch. Returns the loss averaged over the
-        micro-batches (0-d fp32), the same on every rank of the pipe. `grad_clip`: None or a
-        Paddle-style clip for a plain torch optimizer (a sharding optimizer takes it in its
-        constructor), run after the dp all-reduce, before the step and the release. Raises
-        on every rank as docs/contract.md#the-pipeline says; PipelineStageTimeout when another
-        stage does not answer within the pipe group's timeout.
-        """
+        """1F1B over `data = (inputs, labels)` (batch dim 0, the same on every rank of the
+        pipe), then `_optimizer_step`. Returns the mean loss (0-d fp32) on every rank.
+        `grad_clip`: a Paddle-style clip beside a plain torch optimizer (a sharding optimizer
+        takes it in its constructor). PipelineStageTimeout when a stage does not answer."""
         self._check_accumulation()  # before _prepare_training builds sharding buffers
         try:  # a stage that refuses to start tells the others at the entry agreement
             self._prepare_training(optimizer, lr_scheduler, grad_clip)
@@ -294,15 +255,13 @@ class PipelineParallel(nn.Module):
         return loss
 
     def forward_backward_pipeline(self, data):
-        """Warm-up, steady 1F1B and cool-down over `data`; no optimizer step. Opens with
-        train_batch's entry agreement. A second call before the step (accumulating over
-        calls) is exact, and allowed, only without comm overlap and shared weights."""
+        """The schedule alone (after train_batch's entry check); several calls before one step
+        accumulate, only without comm overlap and ties (their sums would run twice)."""
         self._check_accumulation()
         self._agree_at_entry(None, data)
         return self._schedule(data)
 
-    def _agree_groups(self):
-        """Pipe, then sharding and dp where larger than 1: together every rank of the job."""
+    def _agree_groups(self):  # pipe, sharding, dp: together every rank of the job
         hcg, groups = self._hcg, [self._hcg.get_pipe_parallel_group()]
         if hcg.get_sharding_parallel_world_size() > 1:
             groups.append(hcg.get_sharding_parallel_group())
@@ -311,12 +270,12 @@ class PipelineParallel(nn.Module):
         return groups
 
     def _agree_at_entry(self, refused=None, data=None):
-        """Beyond Paddle: before any p2p of a step, raise on every rank of the job what some
-        rank saw: a grad that left its fused buffer (release off), a batch that does not
-        split, an error `_prepare_training` raised, accumulate_steps or a grad_clip that
-        differ. A stage that never arrives fails the others at the pipe group's timeout."""
-        moved = [n for bs in self._chunk_2_comm_buffers.values() for b in bs
-                 for n in _moved_grads(b)]
+        """Beyond Paddle: before any p2p of a step, raise on every rank what some rank saw (a
+        grad that left its buffer, a batch that does not split, `_prepare_training`'s error,
+        other accumulate_steps or grad_clip); a stage that never arrives: at the timeout."""
+        moved = [b._name(p) for bs in self._chunk_2_comm_buffers.values() for b in bs
+                 for p in b.params if not b._release_grads
+                 and _addr(_grad_of(p, b.use_main_grad)) != b._grads_to_addr[p]]
         clip = self._grad_clip
         try:
             agree(self._agree_groups(), [
@@ -355,8 +314,7 @@ class PipelineParallel(nn.Module):
             self.register_sharding_comm_overlap_hook(optimizer)
 
     def _schedule(self, data):
-        """1F1B: warm-up forwards, steady one forward and one backward, cool-down backwards;
-        then wait for and scale the buckets (`_finish_schedule`); returns the mean loss."""
+        """Warm-up, steady 1F1B, cool-down, then `_finish_schedule`; returns the mean loss."""
         inputs, labels = self._micro_batches(data)
         acc, self.schedule_trace, queue = self.accumulate_steps, [], []
         self._meta_sent = self._meta_recv = None
@@ -391,11 +349,11 @@ class PipelineParallel(nn.Module):
         return self._broadcast_final_loss()
 
     def _finish_schedule(self):
-        """Tied copies summed over their stages, then (comm overlap) every bucket issued in
-        the scheduler's order and agreed on over the job: waited and scaled, or, if some rank's
-        bucket was incomplete, the step's grads dropped and the same ValueError everywhere."""
+        """Tied copies summed over their stages; with comm overlap every bucket issued in order,
+        agreed on over the job and waited and scaled (else: the step dropped, raised everywhere)."""
         self._phase = "scheduled"
-        self._shared.allreduce_shared_weight_gradients()
+        if self._shared:
+            self._shared.allreduce_shared_weight_gradients()
         if not self._comm_overlap:
             return
         self._scheduler.fire(self._scheduler.held)  # held back for the tie sum
@@ -407,9 +365,8 @@ class PipelineParallel(nn.Module):
             raise
 
     def eval_batch(self, data, compute_loss=True):
-        """Forward only over the micro-batches; returns the mean loss (or, without
-        `compute_loss`, the last stage's outputs concatenated, None elsewhere). Every rank of
-        the pipe must call it (it communicates)."""
+        """Forward only; the mean loss (without `compute_loss`: the last stage's outputs, None
+        elsewhere). Every rank of the pipe calls it (it communicates)."""
         inputs, labels = self._micro_batches(data)
         self.eval()
         self._meta_sent = self._meta_recv = None
@@ -430,7 +387,6 @@ class PipelineParallel(nn.Module):
         return self._broadcast_final_loss(scaled=True)
 
     def _batch_problem(self, data):
-        """What is wrong with `data` as this step's batch (a str), or None."""
         try:
             batch = data[0].shape[0]
         except (TypeError, ValueError, AttributeError, IndexError, KeyError):
@@ -503,8 +459,7 @@ class PipelineParallel(nn.Module):
 
     @torch.no_grad()
     def _discard_grads(self):
-        """Drop (release) or zero this step's grads and buffers without stepping, so that the
-        next train_batch starts clean after an error raised on every rank."""
+        """Drop (release) or zero this step's grads and buffers, not stepped (after an error)."""
         self._phase = "idle"
         if self.optimizer is not None:
             _clear_grad(self.optimizer, set_to_zero=not self._release_gradients)
@@ -513,9 +468,9 @@ class PipelineParallel(nn.Module):
                 buffer._clear_grad_storage()
 
     def _check_accumulation(self):
-        """A second schedule before the step: with comm overlap or ties across stages the
-        grads were reduced / summed once already; raised on every rank (the same history)."""
-        if self._phase == "scheduled" and (self._comm_overlap or self._shared.across_stages):
+        """A second schedule before the step, with overlap or ties: raised on every rank."""
+        ties = self._shared is not None and self._shared.across_stages
+        if self._phase == "scheduled" and (self._comm_overlap or ties):
             what = "comm overlap" if self._comm_overlap else "shared_weights"
             raise ValueError(f"forward_backward_pipeline ran again before the optimizer step: "
                              f"with {what} the grads are already reduced once per call; "
@@ -542,12 +497,8 @@ class PipelineParallel(nn.Module):
 
     def _p2p(self, send_next=None, send_prev=None, recv_next=None, recv_prev=False,
              fallback=None):
-        """Batched isend / irecv with the neighbours; returns what was received, if anything.
-
-        `recv_next` is this stage's output, whose grad comes back from the next stage (same
-        shape); `recv_prev` receives the next activation (shape from the first message's meta);
-        on stage 0 it returns `fallback`, the micro-batch input.
-        """
+        """Batched isend / irecv with the neighbours; returns what was received: the next
+        activation (`recv_prev`; on stage 0 `fallback`) or the grad of `recv_next`."""
         first, last = self.stage_id == 0, self.stage_id == self.num_stages - 1
         prev = None if first else self._hcg.get_rank_from_stage(self.stage_id - 1)
         nxt = None if last else self._hcg.get_rank_from_stage(self.stage_id + 1)
@@ -578,14 +529,12 @@ class PipelineParallel(nn.Module):
             else got_next
 
     def _p2p_one(self, op, tensor, peer, group):
-        """One isend / irecv, batched like every message (on nccl an unbatched one opens a
-        2-rank communicator of its own per neighbour pair)."""
+        """One isend / irecv, batched (unbatched, nccl opens a 2-rank communicator per pair)."""
         self._wait_p2p(dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)]), [peer])
 
     def _wait_p2p(self, works, peers):
-        """Wait for p2p `works` (one per op, with global ranks `peers`) within the pipe
-        group's timeout, on gloo as on nccl. Beyond Paddle. Raises PipelineStageTimeout naming
-        the peer's stage; the timed-out op stays pending: the pipeline is not usable after."""
+        """Wait for p2p `works` (with global ranks `peers`) within the pipe group's timeout;
+        beyond Paddle. PipelineStageTimeout names the peer's stage (the pipeline is then done)."""
         peers = peers if len(peers) == len(works) else [None] * len(works)
         for work, peer in zip(works, peers):
             try:
@@ -613,19 +562,3 @@ class PipelineParallel(nn.Module):
         dims = list(t.shape) + [0] * (_META_LEN - 2 - t.dim())
         return torch.tensor([_DTYPES.index(t.dtype), t.dim()] + dims, device=t.device)
 
-
-def _moved_grads(buffer):
-    """Release off: the params whose grad is no longer the view of its slot (`add_grad`'s
-    address check, made before a step starts so that every rank can raise)."""
-    if buffer._release_grads:
-        return []
-    return [buffer._name(p) for p in buffer.params
-            if _addr(_grad_of_buffer(buffer, p)) != buffer._grads_to_addr[p]]
-
-
-def _grad_of_buffer(buffer, param):
-    return param.main_grad if buffer.use_main_grad else param.grad
-
-
-def _addr(grad):
-    return None if grad is None else grad.data_ptr()

@@ -1,33 +1,17 @@
-"""relgrad: Paddle's `release_gradients` (PR #59739) in torch: config, topology, launcher, CLI.
+"""relgrad: Paddle's `release_gradients` (PR #59739) in torch: config, topology, process groups.
 
 Mirrors the `PpConfig` / `DygraphShardingConfig` messages of
 `paddle/fluid/framework/distributed_strategy.proto` and `HybridCommunicateGroup` of
-`python/paddle/distributed/fleet/base/topology.py` at commit 9b40c67f672f.
-
-`python relgrad.py` is the main job: it starts pp x sharding x dp local processes that train a
-small character-level LM on real text (this repo's own files) once per release mode, off and
-on, same seed and data, and prints what each run held between steps and during one step, the
-step times and whether the runs are bitwise equal (`--peers`: the same LM under torch's DDP +
-ZeroRedundancyOptimizer and FSDP2 beside this repo's sharding v2; `--walkthrough`: the life of
-the fused grad buffers on a tiny model, event by event). Under `torchrun` it joins
-that job instead (nccl on GPUs, gloo otherwise). The job itself lives in `relgrad_demo/`; the
-launcher here also serves the tests.
-
-Leaves out: mp / sep axes.
-
+`python/paddle/distributed/fleet/base/topology.py` at commit 9b40c67f672f; with the process-group
+helpers the core shares (timeouts, the current-device check). `python relgrad.py` is the main
+job, the command line of `relgrad_demo/` (`relgrad_demo/cli.py`). Leaves out: mp / sep axes.
 References: Paddle PRs #59739, #64517; PaddleNLP PR #7594 (`enable_release_grads`).
 """
-import os
-import pickle
 import sys
-import tempfile
-import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from comm_buffer import _backend_for, agree
 
@@ -292,72 +276,6 @@ def check_current_device(params, groups, what):
 def agree_on_devices(problem, groups, what):
     """`comm_buffer.agree` through the store on a `device_problem` text (or None)."""
     agree(groups, [(f"{what}: {SET_DEVICE_FIX}", problem)], via_store=True)
-
-
-# ---- launcher ----
-
-# On Linux, ranks fork from a server process that imports torch, and torch._dynamo (which
-# torch.optim imports at the first optimizer built), once for all of them: each rank would
-# otherwise spend ~2 s of CPU importing them. Elsewhere they are spawned, each importing them
-# (Windows has no fork; on macOS a fork after system frameworks loaded is not safe).
-_START_METHOD = "forkserver" if sys.platform.startswith("linux") else "spawn"
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
-
-
-def launch(fn, world_size, args=(), timeout=300.0):
-    """Run `fn(rank, world_size, *args)` on `world_size` local gloo ranks; return their results.
-
-    Ranks are started with torch.multiprocessing (`_START_METHOD`) and meet at a TCPStore
-    that this process holds on 127.0.0.1, on a port the OS picks. `fn` must be importable and
-    its results picklable; the list of results is indexed by rank. If a rank raises, torch
-    terminates the others and raises ProcessRaisedException carrying that rank's traceback; if
-    the ranks are not done after `timeout` seconds, all are killed and TimeoutError is raised.
-    """
-    if _START_METHOD == "forkserver":
-        mp.set_forkserver_preload(_PRELOAD)  # no effect once this process's server runs
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(
-            _rank_entry, args=(fn, world_size, store.port, args, out_dir, timeout),
-            nprocs=world_size, join=False, start_method=_START_METHOD)
-        deadline = time.monotonic() + timeout
-        try:
-            while not context.join(timeout=max(0.05, min(1.0, deadline - time.monotonic()))):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{world_size} ranks of {fn.__name__} still running "
-                                       f"after {timeout:.0f} s; killed them all")
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-        results = []
-        for rank in range(world_size):
-            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-    return results
-
-
-def _quiet_flight_recorder():
-    # c10d's flight recorder keeps ~1.4 KB for each of the last 2000 collectives: it would
-    # show up in the allocator's figures as growth, so it is off unless asked for.
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
-
-
-def _rank_entry(rank, fn, world_size, port, args, out_dir, timeout):
-    torch.set_num_threads(1)  # ranks share this machine's cores
-    _quiet_flight_recorder()
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                          timeout=timedelta(seconds=timeout))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout))
-    result = fn(rank, world_size, *args)
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-    # Every rank done before any tears down: a rank that exits while a peer's gloo threads
-    # still serve a subgroup's pairs can abort ("terminate called without an active
-    # exception"), seen here about once in ten runs without this barrier.
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

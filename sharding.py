@@ -1,25 +1,16 @@
 """ZeRO-1 sharding optimizers with `release_gradients`: Paddle's DygraphShardingOptimizer v1 / v2.
 
-Mirrors `DygraphShardingOptimizer` (v1) and `DygraphShardingOptimizerV2` (v2, `split_param`) in
+Mirrors `DygraphShardingOptimizer` (v1) and `DygraphShardingOptimizerV2` (v2, `split_param`) of
 `python/paddle/distributed/fleet/meta_optimizers/dygraph_optimizer/dygraph_sharding_optimizer.py`
-at commit 9b40c67f672f, with the seed diff's hunks (PR #59739).
-
-Both split the optimizer state over the sharding group (ZeRO stage 1). v1 gives each whole
-param to one owner (greedy, largest first): grads are reduced to the owner, the owner steps,
-every param is broadcast from its owner. v2 lays each bucket's params into one flat padded
-buffer and gives each rank a contiguous shard: grads are reduce-scattered in place, each rank
-steps 1-D slice params over its shard, and the param buffer is all-gathered back. With release
-the grad buffers (v2's own, or the pipeline's) live from a step's first grad to `clear_grad`.
+at commit 9b40c67f672f (PR #59739). v1 gives each whole param to one owner: grads are reduced to
+it, it steps, params are broadcast from it. v2 lays each bucket's params into one flat padded
+buffer, a shard per rank: grads are reduce-scattered, each rank steps 1-D slices, the buffer is
+all-gathered. With release the grad buffers live from a step's first grad to `clear_grad`.
 Phases of `step()`: agree -> reduce -> dp all-reduce -> clip -> step -> broadcast / all-gather.
-
-Sections: helpers (the dp sync, the extras folder, firing buckets in order); the torch
-optimizer surface; fp32 masters (`MixPrecisionOptimizer`); clipping by the global norm;
-sharding v1 and v2 (with per-rank checkpoints and sharding's own comm overlap,
-`sharding_configs.comm_overlap`, Paddle's later tensor-fusion overlap). Rules and errors:
-docs/contract.md. Leaves out: v1's fused params, offload, color sharding, GradScaler.
-
-References: Paddle PRs #59739, #58462, #58621, #64517 (sharding-side release flag);
-Rajbhandari et al., "ZeRO" (2020); torch's ZeroRedundancyOptimizer.
+Sections: helpers (dp sync, extras, bucket scheduler); the torch optimizer surface; fp32
+masters; clipping; sharding v1 and v2 (with per-rank checkpoints and sharding's own overlap).
+Leaves out: v1's fused params, offload, color sharding, GradScaler. Rules: docs/contract.md.
+References: Paddle PRs #59739, #58462, #58621, #64517; Rajbhandari et al., "ZeRO" (2020).
 """
 import importlib
 import inspect
@@ -31,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _share_param_buffer,
-                         agree, assign_group_by_size, densify_grads, global_rank,
-                         main_grad_or_grad as _grad, sums_in_16_bits, _weak_hook)
+                         _weak_hook, agree, assign_group_by_size, densify_grads, global_rank,
+                         main_grad_or_grad as _grad, sums_in_16_bits)
 
 
 # ============================================================================================
@@ -41,7 +32,7 @@ from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _sha
 
 @torch.no_grad()
 def all_reduce_mean(grads, group):
-    """All-reduce `grads` over `group` and divide by its size, in place (Paddle's
+    """All-reduce `grads` over `group`, divided by its size, in place (Paddle's
     `fused_allreduce_gradients`, unfused); 16-bit grads are divided before the sum."""
     scale = 1.0 / dist.get_world_size(group)
     for g in grads:
@@ -56,14 +47,14 @@ def all_reduce_mean(grads, group):
 
 @torch.no_grad()
 def agreed_all_reduce_mean(params, group, device=None):
-    """dp sync of `params`' grads with the same collectives on every rank of `group`: agree
-    which params have a grad anywhere, give the others zeros (as DDP), all-reduce the mean."""
+    """dp sync with the same collectives on every rank: agree which params have a grad
+    anywhere, give the others zeros (as DDP), all-reduce the mean."""
     params = list(params)
     if params:
         densify_grads(params)
-        anywhere = agree([group], flags=[_grad(p) is not None for p in params],
-                         device=device or params[0].device)
-        _fill_missing_grads(params, anywhere, [_grad(p) is not None for p in params])
+        here = [_grad(p) is not None for p in params]
+        anywhere = agree([group], flags=here, device=device or params[0].device)
+        _fill_missing_grads(params, anywhere, here)
         all_reduce_mean([_grad(p) for p, a in zip(params, anywhere) if a], group)
 
 
@@ -72,10 +63,8 @@ def _fill_missing_grads(params, anywhere, here):
     """Zeros (fp32 main_grad where kept) for the params some rank has a grad for, not this."""
     for p, some_rank, mine in zip(params, anywhere, here):
         if some_rank and not mine and _grad(p) is None:
-            if hasattr(p, "main_grad"):
-                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            else:
-                p.grad = torch.zeros_like(p)
+            _set_grad(p, hasattr(p, "main_grad"), torch.zeros(p.shape, device=p.device, dtype=(
+                torch.float32 if hasattr(p, "main_grad") else p.dtype)))
 
 
 def extras(module, what):
@@ -91,23 +80,20 @@ def extras(module, what):
 
 
 def plug_free_in_comm(buffers, free_grads_in_comm):
-    """[later] With `free_grads_in_comm`, turn `buffers` (built together, hooked to one
-    backward) into relgrad_extras' FreeInCommBuffers; else leave them as they are."""
+    """[later] With `free_grads_in_comm`, make `buffers` relgrad_extras' FreeInCommBuffers."""
     if free_grads_in_comm:
         extras("free_in_comm", "sharding_configs.free_grads_in_comm").plug(buffers)
 
 
 class BucketScheduler:
-    """Issues the collectives of the buckets `add`ed to it in one order, the same on every
-    rank: the reverse of the build order (backward reaches the last params first). Beyond
-    Paddle, whose hooks fire each bucket as it completes: a param one rank's backward skips
-    would make the ranks issue different collectives (a hang, or buckets mixed up).
+    """Issues the `add`ed buckets' collectives in one order on every rank: the reverse of the
+    build order (backward reaches the last params first). Beyond Paddle, whose hooks fire each
+    bucket as it completes: a param one rank's backward skips would mix up the collectives.
 
-    With `fire_on_hook`, a check-in fires each complete bucket whose predecessors have fired
-    (`held` ones aside: their owner fires them, e.g. a tied copy's after the tie sum); without,
-    hooks only check in and the caller fires (`fire`). `fire` issues the rest with what they
-    hold, so that every rank issues every bucket once, in order; `wait_and_agree` then raises
-    on every rank if some rank's were incomplete. A check-in past acc_steps counts in `extra`.
+    With `fire_on_hook` a check-in fires each complete bucket whose predecessors fired (`held`
+    ones aside: a tied copy's fires after the tie sum); else the caller `fire`s. `fire` issues
+    the rest with what they hold; `wait_and_agree` then raises on every rank if some were
+    incomplete. A check-in past acc_steps counts in `extra` (a backward pass too many).
     """
 
     def __init__(self, fire_on_hook=True):
@@ -115,18 +101,14 @@ class BucketScheduler:
         self.reset()
 
     def reset(self):
-        """Forget this step's firing position and surplus check-ins."""
         self._next, self.extra = 0, Counter()
 
     def add(self, buffer, param_hooks=True):
-        """Schedule `buffer`; with `param_hooks`, hook its params' check-ins here."""
         self.buffers.insert(0, buffer)
-        if param_hooks:
-            for p in buffer.params:
-                p.register_post_accumulate_grad_hook(self.hook(buffer, p))
+        for p in buffer.params if param_hooks else ():
+            p.register_post_accumulate_grad_hook(self.hook(buffer, p))
 
-    def hook(self, buffer, param):
-        """`param`'s post-accumulate hook: check in to `buffer` (both held weakly)."""
+    def hook(self, buffer, param):  # `param`'s post-accumulate hook (holds both weakly)
         return _weak_hook(lambda s, b, p: s.check_in(b, p), self, buffer)
 
     def check_in(self, buffer, param):
@@ -134,30 +116,27 @@ class BucketScheduler:
             self.extra[id(param)] += 1
             return
         buffer.add_grad(param, use_comm=False)
-        if self.fire_on_hook and buffer._all_params_checked_in:
-            order = [b for b in self.buffers if b not in self.held]
-            while self._next < len(order) and order[self._next]._all_params_checked_in:
-                if order[self._next]._task is None:
-                    order[self._next].comm_grads()
-                self._next += 1
+        order = [b for b in self.buffers if b not in self.held]
+        while self.fire_on_hook and self._next < len(order) and order[
+                self._next]._all_params_checked_in:
+            if order[self._next]._task is None:
+                order[self._next].comm_grads()
+            self._next += 1
 
     def in_flight(self):
-        """True if some bucket's collective was issued this step and not waited for."""
         return any(b._task is not None for b in self.buffers)
 
     def fire(self, buffers=None):
-        """Issue, in order, each bucket of `buffers` (default all) not issued this step; an
-        incomplete one with what it holds (release: the grads not checked in moved in)."""
+        """Issue, in order, each of `buffers` (default all) not issued yet, with what it holds."""
         for buffer in self.buffers if buffers is None else buffers:
             if buffer._task is None:
-                if buffer._release_grads:
-                    for p in buffer.params:
-                        if buffer._params_step_dict.get(p) == 0:
-                            buffer._copy_grad_to_buffer(p)
+                for p in buffer.params if buffer._release_grads else ():
+                    if buffer._params_step_dict.get(p) == 0:
+                        buffer._copy_grad_to_buffer(p)
                 buffer._comm_grads()
 
     def settle(self):
-        """Issue the rest, wait for every collective, reset the check-ins and the order."""
+        """Issue the rest, wait for them all, reset the check-ins and the order."""
         self.fire()
         for buffer in self.buffers:
             buffer._task.wait()
@@ -165,8 +144,7 @@ class BucketScheduler:
         self.reset()
 
     def passes(self):
-        """(most, fewest) check-ins of a param this step: backward passes, and the fewest;
-        (None, None) without buckets."""
+        """(most, fewest) check-ins of a param this step (backward passes)."""
         if not self.buffers:
             return None, None
         acc = self.buffers[0]._acc_steps
@@ -176,10 +154,8 @@ class BucketScheduler:
         return most, min(counts, default=acc if done else 0)
 
     def wait_and_agree(self, groups, device):
-        """After `fire()`: agree over `groups` that every rank checked every param in
-        acc_steps times and changed no grad in flight; then wait and scale every bucket. On
-        a disagreement every rank settles (`settle`) and raises the same ValueError. A rank
-        without buckets (a stage without params) joins the agreement all the same."""
+        """After `fire()`: agree that every rank checked every param in acc_steps times and
+        changed no grad in flight, then wait and scale; else every rank settles and raises."""
         acc = self.buffers[0]._acc_steps if self.buffers else None
         most, fewest = self.passes()
         changed = [b._id for b in self.buffers if b._changed_in_flight()]
@@ -187,8 +163,7 @@ class BucketScheduler:
             agree(groups, [(IN_FLIGHT_RULE, f"buckets {changed}" if changed else None),
                            (INCOMPLETE_RULE.format(acc=acc), None if most == fewest == acc
                             else f"{most} backward passes, the fewest for a param {fewest}")],
-                  [("backward passes (most, fewest for a param)", (most, fewest))],
-                  device=device)
+                  [("backward passes (most, fewest for a param)", (most, fewest))], device=device)
         except ValueError:
             self.settle()
             raise
@@ -202,20 +177,14 @@ IN_FLIGHT_RULE = ("a grad changed in place while its bucket's collective was in 
                   "mix old and new values. Clip with opt.clip_grad_norm_(max_norm); change "
                   "grads after step(). This step's grads are not usable: clear them")
 INCOMPLETE_RULE = ("a bucket was not complete after accumulate_steps={acc} backward passes: "
-                   "every trainable param must get a grad in each of them, on every rank. "
-                   "Freeze unused params before building, run exactly accumulate_steps "
-                   "backwards, clear grads only after step(). This step's grads are not "
-                   "usable: clear them")
+                   "every trainable param must get a grad in each, on every rank. Freeze unused "
+                   "params before building; clear grads only after step(). This step's grads "
+                   "are not usable: clear them")
 
 
 # ============================================================================================
 # The torch optimizer surface (param_groups / state live, hooks, state_dict)
 # ============================================================================================
-
-_HOOK_REGISTRIES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                    "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                    "_optimizer_load_state_dict_pre_hooks",
-                    "_optimizer_load_state_dict_post_hooks")  # what Optimizer.__init__ makes
 
 GRAD_SCALER_MSG = ("torch.amp.GradScaler cannot drive this optimizer: its unscale_ and inf "
                    "check read each rank's grads before the sharding reduce. Train without "
@@ -225,44 +194,31 @@ GRAD_SCALER_MSG = ("torch.amp.GradScaler cannot drive this optimizer: its unscal
 def clear_grad_func(p, set_to_zero):
     """Zero `p`'s main_grad / grad in place, or drop them (Paddle's clear_grad_func)."""
     for name in ("main_grad", "grad"):
-        g = getattr(p, name, None)
-        if g is not None:
-            if set_to_zero:
-                g.zero_()
-            else:
-                setattr(p, name, None)
+        if (g := getattr(p, name, None)) is not None:
+            g.zero_() if set_to_zero else setattr(p, name, None)
 
 
 class _Wrapper(torch.optim.Optimizer):
-    """The torch face of the wrappers (torch 2.13's `Optimizer` API).
-
-    `param_groups` / `state` are the inner optimizer's, re-read on each access (an LR
-    scheduler keeps working after `load_state_dict`); `zero_grad(set_to_none)` is
-    `clear_grad(set_to_zero=not set_to_none)`; `state_dict` / `load_state_dict` and the step
-    hooks run torch's hooks; pickling raises TypeError; a closure or a GradScaler raise.
-    """
+    """The torch face of the wrappers (torch 2.13's `Optimizer`): `param_groups` / `state` are
+    the inner optimizer's, re-read on each access; `zero_grad(set_to_none)` is `clear_grad(
+    set_to_zero=not set_to_none)`; torch's hooks run; pickling, a closure, a GradScaler raise."""
 
     _step_supports_amp_scaling = True  # GradScaler hands its scale to step(), which refuses
 
     def _expose(self, inner):
         self.defaults = inner.defaults
-        for name in _HOOK_REGISTRIES:
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                     "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):  # what Optimizer.__init__ makes
             setattr(self, name, OrderedDict())
         self._patch_step_function()  # torch's step pre / post hooks around our step()
 
-    @property
-    def param_groups(self):
-        """The inner optimizer's param groups (a live view: LR changes reach the step)."""
-        return self._inner_opt.param_groups
-
-    @property
-    def state(self):
-        """The inner optimizer's per-param state (keys: owned / slice params or masters)."""
-        return self._inner_opt.state
+    param_groups = property(lambda self: self._inner_opt.param_groups)  # live: LRs reach it
+    state = property(lambda self: self._inner_opt.state)  # keys: owned / slice params, masters
 
     def __getstate__(self):
-        raise TypeError(f"{type(self).__name__} cannot be pickled or deep-copied (its "
-                        "param_groups and state are the inner optimizer's); save or copy "
+        raise TypeError(f"{type(self).__name__} cannot be pickled or deep-copied; save or copy "
                         "state_dict() instead")
 
     def _check_step_args(self, closure):
@@ -271,20 +227,16 @@ class _Wrapper(torch.optim.Optimizer):
                              "model yourself and then step()")
         if getattr(self, "grad_scale", None) is not None:
             raise ValueError(GRAD_SCALER_MSG)
-        if hasattr(self._inner_opt, "check_template"):
-            self._inner_opt.check_template()
+        getattr(self._inner_opt, "check_template", lambda: None)()
 
     def zero_grad(self, set_to_none=True):
-        """torch's spelling of `clear_grad(set_to_zero=not set_to_none)`."""
         self.clear_grad(set_to_zero=not set_to_none)
 
     def add_param_group(self, param_group):
-        """Not supported by this wrapper: raises ValueError naming the alternative."""
         raise ValueError(f"{type(self).__name__} cannot add a param group after it was built; "
                          "build the torch optimizer with every group first, then wrap it")
 
-    def state_dict(self):
-        """This rank's optimizer state, through torch's state_dict pre- and post-hooks."""
+    def state_dict(self):  # this rank's state, through torch's hooks
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         state_dict = self._local_state_dict()
@@ -292,8 +244,7 @@ class _Wrapper(torch.optim.Optimizer):
             state_dict = hook(self, state_dict) or state_dict
         return state_dict
 
-    def load_state_dict(self, state_dict):
-        """Load `state_dict()`'s result, through torch's load_state_dict pre- and post-hooks."""
+    def load_state_dict(self, state_dict):  # through torch's hooks
         state_dict = state_dict.copy()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
@@ -317,29 +268,22 @@ def _hyper(group):
 
 
 class MixPrecisionOptimizer(_Wrapper):
-    """Step `optimizer`'s class and hyper-parameters on fp32 masters, reading `main_grad`.
-
-    Each bf16 / fp16 *target* (a model param, or a v2 slice param) gets an fp32 master;
-    `step()` feeds it `main_grad` (or the grad), steps, copies it back into the target and
-    drops the master's grad. fp32 / fp64 targets step directly. A target written since the
-    last copy-back (weights loaded after the optimizer was built) reloads its master first.
-    `params`: one list of targets per group of `optimizer` (default its own).
-    """
+    """Step `optimizer`'s class and hyper-parameters on fp32 masters, reading `main_grad`:
+    each bf16 / fp16 *target* (a param, or a v2 slice) gets a master, fed `main_grad` (or the
+    grad) at `step()` and copied back; fp32 / fp64 targets step directly. A target written
+    since its last copy-back reloads its master. `params`: targets per group."""
 
     def __init__(self, optimizer, params=None):
         if carries_state(optimizer):  # the sharding wrappers agree on this first
             raise ValueError(f"{_template_state_rule(type(self).__name__)}; it holds state "
                              f"for {len(optimizer.state)} param(s)")
-        if params is None:
-            params = [g["params"] for g in optimizer.param_groups]
         self._targets, self._masters = [], {}
-        groups = [self._master_group(group, targets)
-                  for group, targets in zip(optimizer.param_groups, params)]
+        groups = [self._master_group(group, targets) for group, targets in zip(
+            optimizer.param_groups, params or [g["params"] for g in optimizer.param_groups])]
         self._inner_opt = _rebuilt(optimizer, groups)
         self._expose(self._inner_opt)
         # An LR scheduler built on the template would change it where nothing steps.
-        self._template, self._template_hyper = optimizer, [_hyper(g) for g in
-                                                           optimizer.param_groups]
+        self._template, self._built = optimizer, [_hyper(g) for g in optimizer.param_groups]
 
     def _master_group(self, group, targets):
         targets = [targets] if isinstance(targets, torch.Tensor) else list(targets)
@@ -353,10 +297,8 @@ class MixPrecisionOptimizer(_Wrapper):
         return {**_hyper(group), "params": [self._masters.get(t, t) for t in targets]}
 
     def check_template(self):
-        """Raise ValueError if the wrapped torch optimizer's hyper-parameters changed since
-        (e.g. by an LR scheduler built on it): they never reach the steps."""
-        for i, (group, built) in enumerate(zip(self._template.param_groups,
-                                               self._template_hyper)):
+        """ValueError if the wrapped optimizer changed since (an LR scheduler built on it)."""
+        for i, (group, built) in enumerate(zip(self._template.param_groups, self._built)):
             changed = {k: (built.get(k), v) for k, v in _hyper(group).items()
                        if built.get(k) != v and k != "initial_lr"}
             if changed:
@@ -365,7 +307,6 @@ class MixPrecisionOptimizer(_Wrapper):
                                  "param_groups. Build the scheduler on the wrapper")
 
     def add_param_group(self, param_group):
-        """torch's `add_param_group`: the new targets get masters as at construction."""
         self._inner_opt.add_param_group(self._master_group(param_group, param_group["params"]))
 
     @torch.no_grad()
@@ -386,7 +327,7 @@ class MixPrecisionOptimizer(_Wrapper):
             elif getattr(t, "main_grad", None) is not None:  # fp32 param, fp32 main_grad
                 t.grad = t.main_grad
                 bound.append(t)
-        if with_grad:  # weights written behind our back reload their masters (one sync)
+        if with_grad:  # targets written behind our back reload their masters (one sync)
             differs = torch.stack([(m.to(t.dtype) != t).any() for t, m in with_grad]).tolist()
             for (t, master), changed in zip(with_grad, differs):
                 if changed:
@@ -400,8 +341,7 @@ class MixPrecisionOptimizer(_Wrapper):
 
     @torch.no_grad()
     def clear_grad(self, set_to_zero=True):
-        """Zero every target's main_grad / grad in place, or drop them (Paddle's clear_grad)."""
-        for t in self._targets:
+        for t in self._targets:  # Paddle's clear_grad
             clear_grad_func(t, set_to_zero)
 
     def _local_state_dict(self):
@@ -410,8 +350,7 @@ class MixPrecisionOptimizer(_Wrapper):
 
     def _load_local_state_dict(self, state_dict):
         if "inner" not in state_dict:  # a plain torch optimizer's state_dict(), same params
-            self._inner_opt.load_state_dict(state_dict)
-            return
+            return self._inner_opt.load_state_dict(state_dict)
         self._inner_opt.load_state_dict(state_dict["inner"])
         for m, saved in zip(self._masters.values(), state_dict["masters"]):
             m.data = saved.clone()
@@ -425,18 +364,14 @@ def _rebuilt(optimizer, groups):
 
 
 def carries_state(optimizer):
-    """True if `optimizer` holds state a new one over the same params would not (stepped or
-    loaded); state made at construction (Adagrad's) is compared with a fresh optimizer's."""
+    """True if `optimizer` holds state a fresh one would not (stepped or loaded)."""
     if not optimizer.state:
         return False
     fresh = _rebuilt(optimizer, [{**_hyper(g), "params": g["params"]}
                                  for g in optimizer.param_groups])
-    for p, state in optimizer.state.items():
-        new = fresh.state.get(p, {})
-        if set(state) != set(new) or not all(
-                torch.equal(torch.as_tensor(v), torch.as_tensor(new[k])) for k, v in state.items()):
-            return True
-    return False
+    return any(set(state) != set(new := fresh.state.get(p, {})) or not all(
+        torch.equal(torch.as_tensor(v), torch.as_tensor(new[k])) for k, v in state.items())
+        for p, state in optimizer.state.items())
 
 
 def _template_state_rule(wrapper):
@@ -453,30 +388,22 @@ CLIP_EPS = 1e-6  # Paddle's (and torch's) epsilon in the coefficient's denominat
 
 
 def norm_groups(hcg):
-    """The groups whose SUM turns a rank's squares into the model's: sharding, then pipe (each
-    if larger than 1); dp replicas hold equal grads, so dp is not summed (Paddle's order)."""
-    groups = []
-    if hcg.get_sharding_parallel_world_size() > 1:
-        groups.append(hcg.get_sharding_parallel_group())
-    if hcg.get_pipe_parallel_world_size() > 1:
-        groups.append(hcg.get_pipe_parallel_group())
-    return groups
+    """The groups that sum a rank's squares into the model's: sharding, then pipe (not dp)."""
+    return [g for size, g in ((hcg.get_sharding_parallel_world_size(),
+                               hcg.get_sharding_parallel_group()),
+                              (hcg.get_pipe_parallel_world_size(), hcg.get_pipe_parallel_group()))
+            if size > 1]
 
 
 @torch.no_grad()
 def clip_grads_by_global_norm(params_grads, max_norm, groups=(), device=None,
                               coefficient="paddle"):
-    """Scale grads in place by the global L2 norm summed over `groups`; return that norm.
-
-    `params_grads`: `(param, grad)` pairs, the grads this rank steps (None: skipped); a param
-    with `need_clip=False` is left out, one with `is_firstly_shared=False` (a tied copy) is
-    scaled but not counted. Squares are summed in fp32. Coefficient "paddle":
-    `max_norm / (max(norm, max_norm) + 1e-6)`; "torch": `min(max_norm / (norm + 1e-6), 1)`.
-    Every rank of `groups` must call it. Returns the norm (0-d fp32), equal on every rank.
-    """
+    """Scale the grads of `params_grads` (what this rank steps) in place by the global L2 norm
+    over `groups` (fp32 squares; `need_clip=False` out, `is_firstly_shared=False` uncounted);
+    coefficient "paddle": `max_norm / (max(norm, max_norm) + 1e-6)`, "torch": `min(max_norm /
+    (norm + 1e-6), 1)`. Returns the norm (0-d fp32), equal on every rank."""
     pairs = [(p, g) for p, g in params_grads if g is not None and getattr(p, "need_clip", True)]
-    squares = [g.float().square().sum() for p, g in pairs
-               if getattr(p, "is_firstly_shared", True)]
+    squares = [g.float().square().sum() for p, g in pairs if getattr(p, "is_firstly_shared", True)]
     device = device or (pairs[0][1].device if pairs else torch.device("cpu"))
     total = (torch.stack(squares).sum() if squares
              else torch.zeros((), dtype=torch.float32, device=device))
@@ -484,10 +411,8 @@ def clip_grads_by_global_norm(params_grads, max_norm, groups=(), device=None,
         dist.all_reduce(total, group=group)
     norm = total.sqrt()
     clip = torch.tensor(float(max_norm), dtype=torch.float32, device=norm.device)
-    if coefficient == "paddle":
-        coef = clip / (torch.maximum(norm, clip) + CLIP_EPS)
-    else:
-        coef = torch.clamp(clip / (norm + CLIP_EPS), max=1.0)
+    coef = (clip / (torch.maximum(norm, clip) + CLIP_EPS) if coefficient == "paddle"
+            else torch.clamp(clip / (norm + CLIP_EPS), max=1.0))
     for _, g in pairs:
         g.mul_(coef.to(g.dtype))
     return norm
@@ -495,26 +420,19 @@ def clip_grads_by_global_norm(params_grads, max_norm, groups=(), device=None,
 
 def _clip_rules(args=None, grad_clip=None):
     """clip_grad_norm_'s argument checks as `(rule, detail)` for `agree` (None: unseen)."""
-    bad_norm = bad_type = False
-    if args is not None:
-        max_norm, norm_type = args
-        bad_norm = isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
-            math.isfinite(max_norm) and max_norm > 0)
-        try:
-            bad_type = float(norm_type) != 2.0
-        except (TypeError, ValueError):
-            bad_type = True
+    max_norm, norm_type = args or (1.0, 2.0)
+    bad_norm = isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
+        math.isfinite(max_norm) and max_norm > 0)
+    try:
+        bad_type = float(norm_type) != 2.0
+    except (TypeError, ValueError):
+        bad_type = True
     return [("clip_grad_norm_: max_norm must be a finite number > 0; pass e.g. 1.0",
-             f"max_norm={args[0]!r}" if bad_norm else None),
+             f"max_norm={max_norm!r}" if bad_norm else None),
             ("clip_grad_norm_: only norm_type=2 (the L2 norm) is supported over sharded grads",
-             f"norm_type={args[1]!r}" if bad_type else None),
+             f"norm_type={norm_type!r}" if bad_type else None),
             ("clip_grad_norm_ on an optimizer built with grad_clip= would clip twice; use one",
-             f"grad_clip={grad_clip!r}" if args is not None and grad_clip is not None
-             else None)]
-
-
-def _number(value):
-    return value if isinstance(value, (int, float)) else None
+             f"grad_clip={grad_clip!r}" if args and grad_clip is not None else None)]
 
 
 # ============================================================================================
@@ -531,16 +449,12 @@ _DROPPED_RULE = ("did zero_grad() run between backward and step() on some rank, 
 _NO_GRAD_MSG = ("no param has a grad on any rank at step(): did zero_grad() run between "
                 "backward and step()? Or were the model's params replaced after the optimizer "
                 "was built (load_state_dict(..., assign=True), to_empty())? Build it after")
-_CLEAR_IN_FLIGHT_RULE = ("zero_grad() ran between backward and step() while "
-                         "sharding_configs.comm_overlap's collectives were in flight: every "
-                         "rank waited for them and cleared this step, nothing was stepped. "
-                         "Clear grads after step() (or before backward); go on")
 
 
 class _Sharding(_Wrapper):
     """What v1 and v2 share: groups and flags, the agreement that opens a build and a step,
-    the step's state (one phase and the grads written since the last clear), clipping,
-    per-rank checkpoints and sharding's own comm overlap."""
+    the step's state (one phase, the grads written since the last clear), clipping,
+    per-rank checkpoints, sharding's own comm overlap."""
 
     def _setup(self, optimizer, hcg, strategy, grad_clip):
         pp_config = strategy.hybrid_configs["pp_configs"]
@@ -561,58 +475,53 @@ class _Sharding(_Wrapper):
         self._init_beyond_paddle(optimizer, strategy, grad_clip)  # skippable: see there
 
     def _init_beyond_paddle(self, optimizer, strategy, grad_clip):
-        """Beyond Paddle, the rest of the setup: the current device and the build agreed on
-        every rank, the same start params (broadcast, as DDP), the own overlap's config, the
-        step's state. None of it touches the seed's flags or buffers."""
-        self._pp_flag = strategy.hybrid_configs["pp_configs"].release_gradients
-        _require_current_device(self._parameter_list, self._flag_groups(), type(self).__name__)
+        """Beyond Paddle: the current device and the build agreed on every rank, the same start
+        params (broadcast, as DDP), the own overlap's config, the step's state. Sets only its
+        own attributes (the seed's flags and buffers stay as `_setup` made them)."""
+        pp_config = strategy.hybrid_configs["pp_configs"]
+        sharding_config = strategy.hybrid_configs["sharding_configs"]
+        self._pp_flag = pp_config.release_gradients  # what the pipeline's buffers follow
+        if any("nccl" in str(dist.get_backend(g)) for g in self._flag_groups()):
+            from relgrad import check_current_device  # needs relgrad.py only under NCCL
+            check_current_device(self._parameter_list, self._flag_groups(), type(self).__name__)
         self._agree_on_setup(optimizer, strategy, grad_clip)
         self._broadcast_params()
-        sharding_config = strategy.hybrid_configs["sharding_configs"]
         self.comm_overlap = sharding_config.comm_overlap
         self._free_grads_in_comm = sharding_config.free_grads_in_comm
-        self._check_overlap_config(strategy)
+        pp_degree = strategy.hybrid_configs["pp_degree"]
+        problem = next((text for bad, text in [
+            (self.comm_overlap and (self.pp_overlap or pp_degree > 1), "sharding_configs."
+             "comm_overlap needs pp_degree 1 and pp_configs.sharding_comm_overlap off, got "
+             f"{pp_degree} and {self.pp_overlap} (they cannot both be on): under a pipeline "
+             "use the latter"),
+            (self._free_grads_in_comm and not self._buffers_released, "sharding_configs."
+             "free_grads_in_comm needs release: turn on pp_configs.release_gradients (or, "
+             "without pipeline overlap, sharding_configs.release_gradients)"),
+            (self._free_grads_in_comm and pp_config.delay_scale_loss and self._is_v2,
+             "sharding_configs.free_grads_in_comm with split_param drops the grads after the "
+             "reduce-scatter, so delay_scale_loss (it scales them) would miss the shards")]
+            if bad), None)
+        if problem:
+            raise ValueError(problem)
         self._grad_clip = _check_grad_clip(grad_clip)
         self._scheduler = BucketScheduler()
         self._phase, self._written, self._marked = "idle", set(), {}  # the step's state
         weakref.finalize(self, _remove_hooks, self._marked)
 
-    def _check_overlap_config(self, strategy):
-        pp_config = strategy.hybrid_configs["pp_configs"]
-        problem = next((text for bad, text in [
-            (self.comm_overlap and self.pp_overlap, "sharding_configs.comm_overlap and "
-             "pp_configs.sharding_comm_overlap cannot both be on; turn the first off"),
-            (self.comm_overlap and strategy.hybrid_configs["pp_degree"] > 1,
-             "sharding_configs.comm_overlap needs pp_degree 1, got "
-             f"{strategy.hybrid_configs['pp_degree']}: use pp_configs.sharding_comm_overlap"),
-            (self._free_grads_in_comm and not self._buffers_released, "sharding_configs."
-             "free_grads_in_comm needs release: turn on pp_configs.release_gradients (or, "
-             "without pipeline overlap, sharding_configs.release_gradients)"),
-            (self._free_grads_in_comm and pp_config.delay_scale_loss and self._is_v2, "sharding"
-             "_configs.free_grads_in_comm with split_param drops the grads after the reduce-"
-             "scatter, so the pipeline's delay_scale_loss (it scales them) would miss the "
-             "shards the optimizer reads")] if bad),
-            None)
-        if problem:
-            raise ValueError(problem)
-
     @property
     def _buffers_released(self):
-        """Whether the buffers holding the grads release: under pipeline overlap they are the
-        pipeline's, built with the PP flag alone ([later] PR #64517's flag does not reach)."""
+        """Under pipeline overlap the buffers are the pipeline's, built with the PP flag alone."""
         return self._pp_flag if self.pp_overlap else self.pp_release_grads
 
     @property
     def comm_buffers(self):
-        """The `FusedCommBuffer`s whose grads this optimizer reduces (a new list): its own
-        (v2; v1 / v2 with comm_overlap) or, for v2 under pipeline overlap, the pipeline's."""
+        """The `FusedCommBuffer`s this optimizer reduces (a new list): its own (v2, or with
+        comm_overlap) or, for v2 under pipeline overlap, the pipeline's."""
         return list(self._own_buffers())
 
     def _flag_groups(self):
-        groups = [self._group]
-        if self._hcg.get_data_parallel_world_size() > 1:
-            groups.append(self._hcg.get_data_parallel_group())
-        return groups
+        dp = self._hcg.get_data_parallel_world_size() > 1
+        return [self._group] + [self._hcg.get_data_parallel_group()] * dp
 
     def _flags_device(self):
         if self._parameter_list:
@@ -622,17 +531,17 @@ class _Sharding(_Wrapper):
 
     def _agree_on_setup(self, optimizer, strategy, grad_clip):
         """Every rank of the sharding (and dp) group builds alike: class, config, torch
-        optimizer and hyper-parameters, grad_clip, params, and a template without state."""
+        optimizer and hyper-parameters, grad_clip, params, a template without state."""
         sc, pc = strategy.hybrid_configs["sharding_configs"], strategy.hybrid_configs["pp_configs"]
         fields = ("split_param", "comm_overlap", "accumulate_steps", "release_gradients",
                   "free_grads_in_comm", "comm_buffer_size_MB")
         use = "DygraphShardingOptimizerV2" if sc.split_param else "DygraphShardingOptimizer"
         agree(self._flag_groups(), [
-            ("sharding_configs.split_param selects the class (as Paddle does); build that class"
-             " or set split_param", None if bool(sc.split_param) == self._is_v2 else
+            ("sharding_configs.split_param selects the class (as in Paddle): build that class, "
+             "or set split_param", None if bool(sc.split_param) == self._is_v2 else
              f"split_param={sc.split_param} selects {use}, {type(self).__name__} was built"),
-            (_template_state_rule(type(self).__name__), f"{len(optimizer.state)} param(s) with "
-             "state" if carries_state(optimizer) else None)],
+            (_template_state_rule(type(self).__name__), f"{len(optimizer.state)} param(s) "
+             "with state" if carries_state(optimizer) else None)],
             [("class", type(self).__name__),
              ("sharding_configs", [(f, getattr(sc, f, None)) for f in fields]),
              ("pp_configs", (pc.release_gradients, pc.sharding_comm_overlap,
@@ -644,16 +553,14 @@ class _Sharding(_Wrapper):
                                    for g in optimizer.param_groups]),
              ("params (shape, dtype, requires_grad)", [
                  (tuple(p.shape), str(p.dtype), p.requires_grad) for p in self._parameter_list])],
-            device=self._flags_device(), sizes=True, title="every rank of the sharding (and dp) "
-            "group must build the optimizer alike (class, config, torch optimizer, "
-            "hyper-parameters, model)")
+            via_store=True, title="every rank of the sharding (and dp) group must build the "
+            "optimizer alike (class, config, torch optimizer, hyper-parameters, model)")
 
     @torch.no_grad()
     def _broadcast_params(self):
-        """The same start on every rank, as DDP and Paddle's `fleet.distributed_model` do:
-        each param from sharding rank 0, then from dp rank 0."""
-        groups = self._flag_groups() if self._nranks > 1 else self._flag_groups()[1:]
-        for group in groups:
+        """The same start on every rank (as DDP, and Paddle's `fleet.distributed_model`): each
+        param from sharding rank 0, then from dp rank 0."""
+        for group in self._flag_groups()[self._nranks == 1:]:
             for work in [dist.broadcast(p.detach(), src=global_rank(group, 0), group=group,
                                         async_op=True) for p in self._parameter_list]:
                 work.wait()
@@ -661,13 +568,13 @@ class _Sharding(_Wrapper):
     # ---- a step's state: one phase, and the grads written since the last clear ----
 
     def _snapshot(self):
-        """At a clear: forget what was written; note which grad object each param holds, so
-        that one assigned later without backward (`p.grad = t`) counts too. (Not versions:
-        the views of one buffer share a version counter.)"""
+        """At a clear: forget what was written; note each param's grad object, so that one
+        assigned by hand later counts too (not versions: a buffer's views share one); hook
+        every trainable param (unfrozen since, too) to report its backward."""
         self._written.clear()
         self._as_cleared = {id(p): id(g) for p in self._parameter_list
                             if (g := _grad(p)) is not None}
-        mark = self._written.add  # every trainable param (unfrozen since, too) reports backward
+        mark = self._written.add
         for p in self._parameter_list:
             if p.requires_grad and id(p) not in self._marked:
                 self._marked[id(p)] = p.register_post_accumulate_grad_hook(
@@ -680,20 +587,20 @@ class _Sharding(_Wrapper):
                 for p in self._parameter_list]
 
     def _agree_at_step(self, entry=None, rules=()):
-        """Open a step on every rank alike (`agree`): misuse seen anywhere raises everywhere,
-        and a param is stepped iff some rank wrote its grad (the others give zeros, as DDP).
-        `entry`: None for step(), clip_grad_norm_'s arguments for it. Returns the flags."""
+        """Open a step on every rank alike: misuse seen anywhere raises everywhere, and a param
+        is stepped iff some rank wrote its grad (the others give zeros, as DDP). `entry`: None
+        for step(), clip_grad_norm_'s arguments for it. Returns the flags."""
         if self._phase in ("reduced", "stepped"):
             raise RuntimeError("step() ran again without the optimizer's clear_grad() / "
-                               "zero_grad() in between, so the grads may be reduced already; "
-                               "clear them after each step through the optimizer")
+                               "zero_grad() in between; clear the grads after each step")
         has = self._has_grad()
         if self.comm_overlap:  # before the agreement (a collective): match every rank's buckets
             self._scheduler.fire()
         dropped = self._phase == "dropped" and not any(has)
         problems = list(rules or _clip_rules()) + self._misuse_rules() + [
             (_DROPPED_RULE, "its grads were dropped after backward" if dropped else None)]
-        opened = (0, None, None, None) if entry is None else (1, *map(_number, entry))
+        opened = (0, None, None, None) if entry is None else (1, *(
+            v if isinstance(v, (int, float)) else None for v in entry))
         try:
             anywhere = agree(self._flag_groups(), problems, [(
                 "how the step was opened (clip_grad_norm_, max_norm, norm_type, "
@@ -713,8 +620,8 @@ class _Sharding(_Wrapper):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Agree -> reduce -> dp all-reduce -> clip -> step -> broadcast / all-gather. After
-        `clip_grad_norm_` the grads are reduced already: step() starts at the step."""
+        """Agree -> reduce -> dp all-reduce -> clip -> step -> broadcast / all-gather; after
+        `clip_grad_norm_` (grads reduced already) it starts at the step."""
         self._check_step_args(closure)
         if self._phase != "reduced":
             self._first_half()
@@ -733,11 +640,10 @@ class _Sharding(_Wrapper):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        """torch's `clip_grad_norm_`, on the optimizer (as FSDP's): call it after backward and
-        before `step()`, on every rank. It runs step()'s first half now (agree, reduce, dp
-        all-reduce), clips what each rank steps by the global L2 norm (fp32 squares, each
-        element once) with torch's coefficient, and returns the norm (0-d fp32, equal on every
-        rank). `step()` then steps without reducing again. norm_type: 2 only."""
+        """torch's `clip_grad_norm_`, on the optimizer (as FSDP's), between backward and step()
+        on every rank: step()'s first half runs now (agree, reduce, dp all-reduce), then what
+        each rank steps is clipped by the global L2 norm (fp32, each element once) with
+        torch's coefficient; returns the norm, equal on every rank. norm_type: 2 only."""
         if self._phase == "reduced":
             raise RuntimeError("clip_grad_norm_ ran twice before step(); call it once per step, "
                                "between backward and step()")
@@ -754,15 +660,18 @@ class _Sharding(_Wrapper):
     def _settle_for_clear(self):
         """Beyond Paddle, first in `clear_grad`: with comm_overlap and no step since the last
         clear, agree through the store whether some rank has collectives in flight (a rank
-        that skipped its backward cannot know); if so, every rank issues the rest of its
+        that skipped its backward cannot know); if so every rank issues the rest of its
         buckets, waits and resets them. Returns the error to raise once cleared, or None."""
         error = None
         if self.comm_overlap and self._phase != "stepped":
-            most, _ = self._scheduler.passes()
+            most = self._scheduler.passes()[0]
             try:
-                agree(self._flag_groups(), [(_CLEAR_IN_FLIGHT_RULE, f"{most} backward pass(es)"
-                                             if self._scheduler.in_flight() else None)],
-                      [("backward passes this step", most)], via_store=True)
+                agree(self._flag_groups(), [(
+                    "zero_grad() ran between backward and step() while sharding_configs."
+                    "comm_overlap's collectives were in flight: every rank waited for them and "
+                    "cleared this step, nothing was stepped. Clear grads after step(); go on",
+                    f"{most} backward pass(es)" if self._scheduler.in_flight() else None)],
+                    [("backward passes this step", most)], via_store=True)
             except ValueError as caught:
                 error = None if self._phase == "failed" else caught
                 self._scheduler.settle()
@@ -776,52 +685,41 @@ class _Sharding(_Wrapper):
         if error is not None:
             raise error
 
-    def _register_own_hooks(self, buffers):
-        """comm_overlap: the buffers' params check in through the scheduler during backward
-        (registered at construction, after any register_main_grad_hooks)."""
-        for buffer in buffers:
-            self._scheduler.add(buffer)
-
     def _wait_own_buffers(self):
-        """comm_overlap, at step(): the hooks issued the collectives; agree, wait and scale
-        (Paddle's `scale_grads()` on each buffer)."""
+        """comm_overlap, at step(): the hooks issued the collectives; agree, wait, scale."""
         self._scheduler.wait_and_agree(self._flag_groups(), self._flags_device())
 
     # ---- per-rank checkpoints (consolidated ones: relgrad_extras/checkpoint.py) ----
 
     def _local_state_dict(self):
-        """This rank's shard of the state, tagged with the layout it fits (`LAYOUT_KEY`);
-        loads only into the same layout (see `consolidate_state_dict` for any other)."""
+        """This rank's shard of the state, tagged with the layout it fits (`LAYOUT_KEY`)."""
         if getattr(self, "_pending_state", None) is not None:
             return extras("checkpoint", "state_dict() of a pending state").pending_full(self)
         return {**super()._local_state_dict(), LAYOUT_KEY: self._layout()}
 
     def _layout(self):
-        """What a per-rank state fits: version, degree, rank, param shapes, owners / slices."""
         return {"version": 2 if self._is_v2 else 1, "sharding_degree": self._nranks,
-                "sharding_rank": self._rank, "shapes": [tuple(p.shape) for p in
-                                                        self._parameter_list],
-                **self._ownership()}
+                "sharding_rank": self._rank,
+                "shapes": [tuple(p.shape) for p in self._parameter_list], **self._ownership()}
 
     def consolidate_state_dict(self, to=0):
-        """The whole state, in torch's one-process format, on sharding rank `to` (None on the
-        others): torch ZeRO's `consolidate_state_dict`, in `relgrad_extras/checkpoint.py`.
-        Collective over the sharding group; ImportError on every rank without that folder."""
+        """The whole state in torch's one-process format on sharding rank `to` (None on the
+        others), as torch ZeRO's: `relgrad_extras/checkpoint.py`. Collective."""
         return extras("checkpoint", "consolidate_state_dict").consolidate(self, to)
 
     def load_state_dict(self, state_dict):
         """Load this rank's `state_dict()` (same layout only), or a consolidated / plain torch
         one (re-sharded by `relgrad_extras/checkpoint.py`). Collective over the sharding (and
-        dp) group; a wrong dict on any rank raises the same ValueError on every rank."""
+        dp) group: a wrong dict on any rank raises the same ValueError on every rank."""
         if not isinstance(state_dict, dict):  # None off rank `to`: raise on every rank
             self._load_local_state_dict(state_dict)
         super().load_state_dict(state_dict)  # torch's hooks, then _load_local_state_dict
 
     def _load_local_state_dict(self, state_dict):
         own = isinstance(state_dict, dict) and LAYOUT_KEY in state_dict
-        ckpt = None if own or self._load_problem(state_dict) else extras(
-            "checkpoint", "Loading a consolidated (or plain torch) state")
-        agree(self._flag_groups(), [("load_state_dict refused", self._load_problem(state_dict))],
+        problem = self._load_problem(state_dict, own)
+        ckpt = None if own or problem else extras("checkpoint", "Loading a consolidated state")
+        agree(self._flag_groups(), [("load_state_dict refused", problem)],
               [("the kind of state dict (per-rank or consolidated)", int(own))],
               device=self._flags_device())
         self._pending_state = None
@@ -831,39 +729,28 @@ class _Sharding(_Wrapper):
         else:
             ckpt.load(self, state_dict)  # checked on every rank there
 
-    def _load_problem(self, state_dict):
+    def _load_problem(self, state_dict, own):
+        if own:
+            saved, here = state_dict[LAYOUT_KEY], self._layout()
+            diffs = [f"{k}: saved {str(saved.get(k))[:200]}, here {str(here[k])[:200]}"
+                     for k in here if saved.get(k) != here[k]
+                     and not (k == "slices" and None in (saved.get(k), here[k]))]
+            return None if not diffs else (
+                "a per-rank state_dict() loads only into the layout it was saved from; "
+                f"it differs: {'; '.join(diffs)}. For another layout save "
+                "opt.consolidate_state_dict(to=0) and load that dict on every rank")
         if state_dict is None:
             return ("load_state_dict got None: consolidate_state_dict(to) returns the state on "
                     "sharding rank `to` only; pass that dict on every rank")
-        if isinstance(state_dict, dict) and LAYOUT_KEY in state_dict:
-            return self._layout_problem(state_dict[LAYOUT_KEY])
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
             return ("load_state_dict takes this rank's state_dict() or a consolidated / plain "
                     f"torch one (keys 'state', 'param_groups'); got {type(state_dict).__name__}")
         return None
 
-    def _layout_problem(self, saved):
-        here = self._layout()
-        diffs = [f"{k}: saved {str(saved.get(k))[:200]}, here {str(here[k])[:200]}"
-                 for k in here if saved.get(k) != here[k]
-                 and not (k == "slices" and None in (saved.get(k), here[k]))]
-        return None if not diffs else (
-            "a per-rank state_dict() loads only into the layout it was saved from; it differs: "
-            + "; ".join(diffs) + ". To load into another layout, save "
-            "opt.consolidate_state_dict(to=0) on rank 0 and load that dict on every rank")
-
 
 def _remove_hooks(handles):
     for handle in handles.values():
         handle.remove()
-
-
-def _require_current_device(params, groups, what):
-    """Under NCCL, params on a GPU other than the current one raise on every rank (relgrad's
-    check_current_device; imported at the call: the module needs relgrad.py only then)."""
-    if any("nccl" in str(dist.get_backend(g)) for g in groups):
-        from relgrad import check_current_device
-        check_current_device(params, groups, what)
 
 
 def _check_grad_clip(grad_clip):
@@ -885,17 +772,12 @@ def _comm_buffer_bytes(sharding_config, default_mb=256):
 class DygraphShardingOptimizer(_Sharding):
     """Sharding v1: whole params, greedy owners, reduce -> step owned -> broadcast.
 
-    Args:
-        optimizer: a torch optimizer over the model (or this stage); used as a template.
-        hcg: e.g. `relgrad.HybridCommunicateGroup` (`get_sharding_parallel_{group,rank,
-            world_size}()`, `get_data_parallel_{group,world_size}()`).
-        strategy: e.g. `relgrad.HybridStrategy`; read: `hybrid_configs["pp_configs"]`,
-            `["sharding_configs"]`, `["pp_degree"]`.
-        grad_clip: None or a Paddle-style clip (`relgrad_extras.grad_clip`), run in `step()`
-            on the owned, reduced grads (then `hcg` also needs the pipe group getters).
-    `_param2rank`: param -> owner's sharding rank. With `sharding_configs.comm_overlap` (no
-    pipeline) one REDUCE buffer per owner and bucket, hooked to backward; else `step()`
-    reduces grad by grad. Raises as docs/contract.md#the-sharding-optimizers lists.
+    Args: `optimizer` (a torch optimizer over the model or this stage: a template); `hcg`
+    (e.g. `relgrad.HybridCommunicateGroup`: the sharding, dp and, for a clip, pipe groups);
+    `strategy` (e.g. `relgrad.HybridStrategy`); `grad_clip` (None or a Paddle-style clip,
+    run in `step()` on the owned, reduced grads). `_param2rank`: param -> owner. With
+    `sharding_configs.comm_overlap` (no pipeline) REDUCE buffers per owner are hooked to
+    backward; else `step()` reduces grad by grad. Errors: docs/contract.md.
     """
 
     _is_v2 = False
@@ -909,9 +791,8 @@ class DygraphShardingOptimizer(_Sharding):
         self._expose(self._inner_opt)
         self._comm_buffers = []
         if self.comm_overlap:
-            sharding_config = strategy.hybrid_configs["sharding_configs"]
-            self._build_owner_buffers(sharding_config.accumulate_steps,
-                                      _comm_buffer_bytes(sharding_config))
+            config = strategy.hybrid_configs["sharding_configs"]
+            self._build_owner_buffers(config.accumulate_steps, _comm_buffer_bytes(config))
         self._snapshot()  # the grads as built: none written yet
 
     def _own_buffers(self):
@@ -919,7 +800,7 @@ class DygraphShardingOptimizer(_Sharding):
 
     def _partition_parameters(self, params=None):
         """Largest first, each to the rank with the fewest elements so far (ties: lowest):
-        develop's `FLAGS_sharding_sort_parameters` (whether the seed commit sorted: uncertain)."""
+        develop's `FLAGS_sharding_sort_parameters` (uncertain at the seed commit)."""
         sizes, param2rank = [0] * self._nranks, {}
         for p, rank in getattr(self, "_param2rank", {}).items():  # add_param_group: go on
             sizes[rank] += p.numel()
@@ -932,8 +813,8 @@ class DygraphShardingOptimizer(_Sharding):
         return param2rank
 
     def _build_owner_buffers(self, acc_steps, group_size):
-        """comm_overlap: REDUCE buffers per owner (its trainable params, model order), hooked
-        to backward. Differs from Paddle's v1 tensor fusion, which also fuses the params."""
+        """comm_overlap: REDUCE buffers per owner, hooked to backward (differs from Paddle's v1
+        tensor fusion, which also fuses the params: fuse_param, not allowed with release)."""
         for rank in range(self._nranks):
             params = [p for p in self._parameter_list
                       if p.requires_grad and self._param2rank[p] == rank]
@@ -942,7 +823,8 @@ class DygraphShardingOptimizer(_Sharding):
                     len(self._comm_buffers), bucket, self._group, acc_steps, HOOK_ACTION.REDUCE,
                     global_rank(self._group, rank), release_grads=self.pp_release_grads))
         plug_free_in_comm(self._comm_buffers, self._free_grads_in_comm)
-        self._register_own_hooks(self._comm_buffers)
+        for buffer in self._comm_buffers:
+            self._scheduler.add(buffer)
 
     @torch.no_grad()
     def reduce_gradients(self, parameter_list, hcg):
@@ -951,8 +833,7 @@ class DygraphShardingOptimizer(_Sharding):
         if self.pp_overlap:
             return
         if self.comm_overlap:  # the hooks issued the reduces during backward
-            self._wait_own_buffers()
-            return
+            return self._wait_own_buffers()
         densify_grads(parameter_list)  # c10d has no sparse reduce
         works = []
         for p in parameter_list:
@@ -962,15 +843,13 @@ class DygraphShardingOptimizer(_Sharding):
                                          group=self._group, async_op=True))
         for work in works:
             work.wait()
-        if self._free_grads_in_comm:  # [later]: a non-owner's grads are not read
-            for p in parameter_list:
-                if self._param2rank[p] != self._rank:
-                    clear_grad_func(p, set_to_zero=False)
+        for p in parameter_list if self._free_grads_in_comm else ():  # [later]: not read
+            if self._param2rank[p] != self._rank:
+                clear_grad_func(p, set_to_zero=False)
 
     def add_param_group(self, param_group):
-        """torch's `add_param_group`: the new params get owners (largest first), this rank's
-        inner optimizer a group of those it owns. Call it alike on every rank; refused under
-        a comm overlap (the buffers are laid out at construction)."""
+        """torch's `add_param_group`: the new params get owners, this rank's inner optimizer a
+        group of those it owns. Call it alike on every rank; refused under a comm overlap."""
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         if self.pp_overlap or self.comm_overlap:
@@ -986,6 +865,7 @@ class DygraphShardingOptimizer(_Sharding):
         self._parameter_list += params
         owned = [p for p in params if self._param2rank[p] == self._rank]
         self._inner_opt.add_param_group({**param_group, "params": owned})
+        self._snapshot()
 
     def _reduce_for_step(self, entry=None, rules=()):
         """step()'s first half: agree, reduce to the owners, dp all-reduce of owned grads."""
@@ -1007,18 +887,17 @@ class DygraphShardingOptimizer(_Sharding):
 
     @torch.no_grad()
     def clear_grad(self, set_to_zero=True):
-        """Zero every grad / main_grad in place, or drop them (`set_to_zero=False`); with
-        release and comm_overlap, free its own buffers. Beyond Paddle's v1: dropping grads held
-        by a persistent fused buffer raises ValueError, as v2 does."""
+        """Zero every grad / main_grad in place, or drop them; with release and comm_overlap,
+        free its own buffers. Beyond Paddle's v1: dropping grads a persistent fused buffer
+        holds raises ValueError, as v2 does."""
         if not set_to_zero and (self.pp_overlap or self.comm_overlap) and not (
                 self._buffers_released):
             raise ValueError(_ERASE_MSG)
         error = self._settle_for_clear()  # beyond Paddle: own overlap in flight
         for p in self._parameter_list:
             clear_grad_func(p, set_to_zero)
-        if self.pp_release_grads:
-            for comm_buffer in self._comm_buffers:
-                comm_buffer._clear_grad_storage()
+        for comm_buffer in self._comm_buffers if self.pp_release_grads else ():
+            comm_buffer._clear_grad_storage()
         self._finish_clear(error)
 
     def _clip_pairs(self):
@@ -1036,44 +915,37 @@ _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.opti
                 torch.optim.RMSprop, torch.optim.Rprop)
 
 
-def _check_elementwise(optimizer):
-    """v2 steps 1-D slices: refuse an optimizer whose update depends on the param's shape."""
-    step = inspect.unwrap(type(optimizer).step)  # torch wraps step with its hooks
-    if not any(isinstance(optimizer, c) and step is inspect.unwrap(c.step) for c in _ELEMENTWISE):
-        raise ValueError(f"sharding v2 (split_param) steps flat 1-D slices, so it needs an "
-                         f"element-wise optimizer ({', '.join(c.__name__ for c in _ELEMENTWISE)}"
-                         f" or a subclass keeping their step); got {type(optimizer).__name__}. "
-                         "Use sharding v1 (whole params) instead")
-
-
 class DygraphShardingOptimizerV2(_Sharding):
     """Sharding v2 (split_param): flat shards, reduce-scatter -> step slices -> all-gather.
 
-    Same args and use as v1. Each model param becomes a view of a flat padded param buffer;
-    the inner optimizer steps `_slice_params[param]`, a 1-D view of this rank's piece (empty
-    until the first step). The REDUCE_SCATTER buffers are its own (`_build_comm_buffers`) or,
-    under pp_configs.sharding_comm_overlap, the pipeline's (found through
-    `param.comm_buffer_ref`). Without hooks, backward accumulates into the buffer's views
-    (release off) or `reduce_gradients` copies the grads in at `step()` (release on); with
-    `sharding_configs.comm_overlap` the buffers are hooked to backward. Raises as
-    docs/contract.md#the-sharding-optimizers lists.
+    Same args as v1. Each model param becomes a view of a flat padded param buffer; the inner
+    optimizer steps `_slice_params[param]`, a 1-D view of this rank's piece. The REDUCE_SCATTER
+    buffers are its own (`_build_comm_buffers`) or, under pp_configs.sharding_comm_overlap,
+    the pipeline's (found through `param.comm_buffer_ref`). Without hooks backward accumulates
+    into the buffer's views (release off) or `reduce_gradients` copies the grads in at step()
+    (on); `sharding_configs.comm_overlap` hooks the buffers to backward. Errors: contract.md.
     """
 
     _is_v2 = True
 
     def __init__(self, optimizer, hcg, strategy, grad_clip=None):
         self._setup(optimizer, hcg, strategy, grad_clip)
-        _check_elementwise(optimizer)  # beyond Paddle
+        step = inspect.unwrap(type(optimizer).step)  # beyond Paddle: slices need element-wise
+        if not any(isinstance(optimizer, c) and step is inspect.unwrap(c.step)
+                   for c in _ELEMENTWISE):
+            raise ValueError(f"sharding v2 (split_param) steps flat 1-D slices, so it needs an "
+                             f"element-wise optimizer ({', '.join(c.__name__ for c in _ELEMENTWISE)}"
+                             f" or a subclass keeping their step); got {type(optimizer).__name__}."
+                             " Use sharding v1 (whole params) instead")
         self._slice_params = {p: torch.nn.Parameter(p.new_empty(0), p.requires_grad)
                               for p in self._parameter_list}
         slices = [[self._slice_params[p] for p in g["params"]] for g in optimizer.param_groups]
         self._inner_opt = MixPrecisionOptimizer(optimizer, slices)
         self._expose(self._inner_opt)
         self._comm_buffer_list = []
-        sharding_config = strategy.hybrid_configs["sharding_configs"]
+        config = strategy.hybrid_configs["sharding_configs"]
         # [later] comm_buffer_size_MB: `_build_comm_buffers(acc_steps, size_MB * 1024 * 1024)`
-        self._build_comm_buffers(sharding_config.accumulate_steps,
-                                 _comm_buffer_bytes(sharding_config))
+        self._build_comm_buffers(config.accumulate_steps, _comm_buffer_bytes(config))
         self._snapshot()  # the grads as built (release off: the buffer's views)
 
     def _build_comm_buffers(self, acc_steps, group_size=256 * 1024 * 1024):
@@ -1089,8 +961,8 @@ class DygraphShardingOptimizerV2(_Sharding):
             self._comm_buffer_list.append(buffer)
 
         plug_free_in_comm(self._comm_buffer_list, self._free_grads_in_comm)  # [later]
-        if self.comm_overlap:  # [later] Paddle's register_reduce_overlap_hook(use_comm=True)
-            self._register_own_hooks(self._comm_buffer_list)
+        for buffer in self._comm_buffer_list if self.comm_overlap else ():  # [later]
+            self._scheduler.add(buffer)  # Paddle's register_reduce_overlap_hook(use_comm=True)
 
     def _own_buffers(self):
         return self._comm_buffer_list
@@ -1098,11 +970,8 @@ class DygraphShardingOptimizerV2(_Sharding):
     @torch.no_grad()
     def clear_grad(self, set_to_zero=True):
         """Zero or drop every grad; then, with release and no pipeline overlap, free buffers.
-
-        Release off: `set_to_zero=False` raises ValueError ("should not erase grad buffer").
         Beyond Paddle: slice grads are dropped too (a stale view would keep the buffer alive);
-        own-overlap collectives in flight are settled first and raised after (on every rank).
-        """
+        own-overlap collectives in flight are settled first and raised after, on every rank."""
         # Seed hunk: the "should not erase grad buffer" assert holds only with release off
         if not self.pp_release_grads and not set_to_zero:
             raise ValueError(_ERASE_MSG)
@@ -1111,7 +980,8 @@ class DygraphShardingOptimizerV2(_Sharding):
         error = self._settle_for_clear()  # beyond Paddle: own overlap in flight
         for p in self._parameter_list:
             clear_grad_func(p, set_to_zero)
-        self._drop_slice_grads()  # beyond Paddle: a stale slice grad would pin the buffer
+        for slice_param in self._slice_params.values() if self.pp_release_grads else ():
+            clear_grad_func(slice_param, set_to_zero=False)  # beyond Paddle: would pin it
 
         # Seed hunk: with release and no pipeline overlap, free v2's own grad buffers
         if self.pp_release_grads and not self.pp_overlap:
@@ -1121,24 +991,17 @@ class DygraphShardingOptimizerV2(_Sharding):
         self._finish_clear(error)
 
     def _check_pipeline_buffers_kept(self, set_to_zero):
-        """[later, PR #64517] Under pipeline overlap the buffers are the pipeline's, built
-        with the PP flag alone: with that flag off they persist, whatever the sharding-side
-        flag says, so dropping their grads is refused as the seed refuses it."""
+        """[later, PR #64517] Under pipeline overlap the buffers are the pipeline's, built with
+        the PP flag alone: with it off they persist, whatever the sharding-side flag says."""
         if self.pp_overlap and not self._pp_flag and not set_to_zero:
             raise ValueError(_ERASE_MSG)
-
-    def _drop_slice_grads(self):
-        if self.pp_release_grads:
-            for slice_param in self._slice_params.values():
-                clear_grad_func(slice_param, set_to_zero=False)
 
     def _collect_comm_buffers(self):
         """Find the pipeline's buffers through `param.comm_buffer_ref`, once (Paddle's)."""
         if self._comm_buffer_list:
             return
         for p in self._parameter_list:
-            ref = getattr(p, "comm_buffer_ref", None)
-            if ref is not None:
+            if (ref := getattr(p, "comm_buffer_ref", None)) is not None:
                 del p.comm_buffer_ref
                 if ref() is not None:
                     self._comm_buffer_list.append(ref())
@@ -1153,13 +1016,11 @@ class DygraphShardingOptimizerV2(_Sharding):
     @torch.no_grad()
     def reduce_gradients(self, parameter_list, hcg):
         """Reduce-scatter every buffer and scale by 1/nranks (nothing under pipeline overlap:
-        the pipeline's hooks did). With release and no buffer yet (nothing checked in), every
-        param's grad is copied in first."""
+        the pipeline's hooks did). With release and no buffer yet, copy every grad in first."""
         if self.pp_overlap:
             return
         if self.comm_overlap:  # [later] the hooks issued the reduce-scatters
-            self._wait_own_buffers()
-            return
+            return self._wait_own_buffers()
         for comm_buffer in self._comm_buffer_list:
             self._relink_grads(comm_buffer)  # beyond Paddle: release off, rebound grads
             # Seed hunk: with release and no buffer yet, copy every param's grad in first
@@ -1172,11 +1033,8 @@ class DygraphShardingOptimizerV2(_Sharding):
     @torch.no_grad()
     def _relink_grads(self, comm_buffer):
         """Beyond Paddle: release off, a grad rebound since it was linked (model.zero_grad(),
-        `p.grad = t`) is copied into its slot (zeros for None) and re-pointed, else v2 would
-        reduce the buffer without it."""
-        if self.pp_release_grads:
-            return
-        for param in comm_buffer.params:
+        `p.grad = t`) is copied into its slot (zeros for None) and re-pointed."""
+        for param in comm_buffer.params if not self.pp_release_grads else ():
             slot = comm_buffer._sharding_param_grad_view[param]._slice_grad_from_buffer()
             densify_grads([param])
             grad = _grad_of(param, comm_buffer.use_main_grad)
@@ -1188,15 +1046,12 @@ class DygraphShardingOptimizerV2(_Sharding):
         for comm_buffer in self._comm_buffer_list:
             for param in comm_buffer.params:
                 slice_param = self._slice_params[param]
-                self._drop_stale_grad(slice_param)  # beyond Paddle: a stale .grad too
+                if self.pp_release_grads:  # beyond Paddle: a stale .grad too
+                    slice_param.grad = None
                 # Seed hunk: under release, drop the slice param's stale main_grad
                 if self.pp_release_grads and hasattr(slice_param, "main_grad"):
                     del slice_param.main_grad  # Paddle asserts it uninitialized; here: stale
                 comm_buffer.assign_slice_grad(param, slice_param)
-
-    def _drop_stale_grad(self, slice_param):
-        if self.pp_release_grads:
-            slice_param.grad = None
 
     def _reduce_for_step(self, entry=None, rules=()):
         """step()'s first half: agree, reduce-scatter, bind the slices, dp all-reduce."""
@@ -1221,42 +1076,38 @@ class DygraphShardingOptimizerV2(_Sharding):
         """Beyond Paddle: state changed behind v2's back since it was built. A param that only
         stopped being a view of its slot (same dtype and device) is put back, exactly."""
         moved, main_grad, in_buffer = [], [], set()
-        name = {id(p): f"param #{i} (shape {tuple(p.shape)}, {p.dtype})"
-                for i, p in enumerate(self._parameter_list)}
         for buf in self._comm_buffer_list:
             storage = buf.param_storage
             for p in buf.params:
-                in_buffer.add(id(p))
+                in_buffer.add(p)
                 index = buf._sharding_param_grad_view[p]._index
                 if p.data_ptr() != storage.data_ptr() + index * storage.element_size():
                     if p.dtype == storage.dtype and p.device == storage.device:
                         _share_param_buffer(p, storage, index)
                     else:
-                        moved.append(name[id(p)])
+                        moved.append(p)
                 if buf.use_main_grad != hasattr(p, "main_grad") or (
                         not buf.use_main_grad and getattr(p, "main_grad", None) is not None):
-                    main_grad.append(name[id(p)])
-        unfrozen = [name[id(p)] for p in self._parameter_list
-                    if p.requires_grad and id(p) not in in_buffer]
-        return [("a param is no longer a view of v2's flat param buffer and has another dtype "
-                 "or device (e.g. model.to(torch.float64) after the optimizer was built); "
-                 "build the optimizer after moving the model", ", ".join(moved) or None),
-                ("a param frozen when DygraphShardingOptimizerV2 was built requires grad now; "
-                 "it has no slot, so it would never train. Build the optimizer after "
-                 "unfreezing it", ", ".join(unfrozen) or None),
-                ("a param's main_grad does not match its bucket (main_grad iff its params had "
-                 "one at construction): register_main_grad_hooks on every param, before "
-                 "building the optimizer", ", ".join(main_grad) or None)]
+                    main_grad.append(p)
+        unfrozen = [p for p in self._parameter_list if p.requires_grad and p not in in_buffer]
+        index = {p: i for i, p in enumerate(self._parameter_list)}
+        return [(rule, ", ".join(f"param #{index[p]} (shape {tuple(p.shape)}, {p.dtype})"
+                                 for p in found) or None) for rule, found in [
+            ("a param is no longer a view of v2's flat param buffer and has another dtype or "
+             "device (e.g. model.to(torch.float64) after building); build the optimizer after "
+             "moving the model", moved),
+            ("a param frozen when DygraphShardingOptimizerV2 was built requires grad now; it has "
+             "no slot, so it would never train. Build the optimizer after unfreezing", unfrozen),
+            ("a param's main_grad does not match its bucket (main_grad iff its params had one "
+             "at construction): register_main_grad_hooks on every param before building",
+             main_grad)]]
 
     def _clip_pairs(self):
         """What a clip reads: this rank's slice grads, without padding."""
-        pairs = []
-        for comm_buffer in self._comm_buffer_list:
-            for param, view in comm_buffer._sharding_param_grad_view.items():
-                if (grad := _grad(self._slice_params[param])) is not None:
-                    valid = min(view._param_end, view._index + param.numel()) - view._param_begin
-                    pairs.append((param, grad[:valid]))  # param: need_clip, is_firstly_shared
-        return pairs
+        return [(param, grad[: min(view._param_end, view._index + param.numel())
+                             - view._param_begin])
+                for b in self._comm_buffer_list for param, view in b._sharding_param_grad_view.items()
+                if (grad := _grad(self._slice_params[param])) is not None]
 
     def _ownership(self):
         if not self._comm_buffer_list:  # under pipeline overlap, before the first train_batch

@@ -39,7 +39,9 @@ from relgrad_demo import cli
 from relgrad_demo.memory import live_grad_bytes
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 import relgrad
-from relgrad import (DygraphShardingConfig, HybridStrategy, PpConfig, launch)
+from relgrad import DygraphShardingConfig, HybridStrategy, PpConfig
+from relgrad_demo import launch as launcher
+from relgrad_demo.launch import launch
 
 # Seconds a scenario may run on its ranks; a hang fails the test instead of blocking the suite.
 TIMEOUT = float(os.environ.get("RELGRAD_TEST_TIMEOUT", 120))
@@ -48,9 +50,9 @@ TIMEOUT = float(os.environ.get("RELGRAD_TEST_TIMEOUT", 120))
 # that imported torch and torch._dynamo once (~2 s of CPU per process otherwise; spawned off
 # Linux). The server preloads only installed packages, so a rank imports this
 # repo's files from its own sys.path, never another checkout's.
-_RANK_CONTEXT = mp.get_context(relgrad._START_METHOD)
-if relgrad._START_METHOD == "forkserver":
-    _RANK_CONTEXT.set_forkserver_preload(relgrad._PRELOAD)
+_RANK_CONTEXT = mp.get_context(launcher._START_METHOD)
+if launcher._START_METHOD == "forkserver":
+    _RANK_CONTEXT.set_forkserver_preload(launcher._PRELOAD)
 
 
 # ---------------------------------------------------------------- the pool of ranks
@@ -1049,7 +1051,7 @@ def test_cli_errors(capsys, monkeypatch):
     """Check bad flags fail before any rank starts, naming the flag and the fix."""
     # in this process: `python relgrad.py` is `sys.exit(main())`, and any rank it started
     # would go through launch, which raises here
-    monkeypatch.setattr(relgrad, "launch", _no_launch)
+    monkeypatch.setattr(launcher, "launch", _no_launch)
     for args, message in ((["--pp", "0"], "--pp must be >= 1, got 0"),
                           (["--d-model", "30"], "multiple of the 4 attention heads"),
                           (["--data", "/no/such/file"], "cannot read"),

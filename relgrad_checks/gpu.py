@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from comm_buffer import HOOK_ACTION, FusedCommBuffer, assign_group_by_size, bw_hook_func
-from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, launch
+from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy
+from relgrad_demo.launch import launch
 from relgrad_demo.memory import allocator_in_use_bytes
 from sharding import DygraphShardingOptimizerV2
 
@@ -136,7 +137,7 @@ def main(argv):
     """`one-rank` or `shared` [--cpu]: run, print the JSON list of per-rank results."""
     what, cpu = argv[0], "--cpu" in argv
     device = "cpu" if cpu else "cuda:0"
-    if what == "shared":  # 2 gloo ranks (relgrad.launch), both on cuda:0
+    if what == "shared":  # 2 gloo ranks (relgrad_demo.launch), both on cuda:0
         print(json.dumps(launch(_shared_rank, 2, (device,), timeout=110)))
         return 0
     if not cpu:

@@ -1,7 +1,7 @@
 """The command line of `python relgrad.py`: the main job, --peers, --walkthrough, --plot, --trace.
 
 `relgrad.py` hands its argv here. `parse_args` checks every flag before any process starts (a
-bad flag ends in one line, status 2); `main` runs the job locally (`relgrad.launch`) or joins a
+bad flag ends in one line, status 2); `main` runs the job locally (`relgrad_demo.launch`) or joins a
 torchrun job, then prints the report.
 """
 import argparse
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import relgrad
+from relgrad_demo import launch as launcher
 
 _DESCRIPTION = """\
 The main job: start pp x sharding x dp local processes (gloo ranks on 127.0.0.1; under torchrun,
@@ -226,7 +226,7 @@ def main(argv=None):
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             torch.cuda.set_device(local_rank)
             opts["device"] = f"cuda:{local_rank}"
-        relgrad._quiet_flight_recorder()
+        launcher._quiet_flight_recorder()
         # --timeout bounds every collective and p2p wait (the groups inherit it)
         device_id = torch.device(opts["device"]) if backend == "nccl" else None
         dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
@@ -244,7 +244,7 @@ def main(argv=None):
         try:
             if not args.peers:
                 job.make_strategy(opts).check_world_size(world)
-            results = relgrad.launch(fn, world, (opts,), timeout=args.timeout)
+            results = launcher.launch(fn, world, (opts,), timeout=args.timeout)
         except mp.ProcessRaisedException as e:
             print(f"relgrad: a rank failed; its traceback:{e}", file=sys.stderr)
             return 1

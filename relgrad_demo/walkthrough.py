@@ -29,8 +29,8 @@ from torch import nn
 
 from comm_buffer import HOOK_ACTION, _stages_full_copies, main_grad_or_grad
 from pipeline import PipelineParallel
-from relgrad import (DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig,
-                     launch)
+from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig
+from relgrad_demo.launch import launch
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
 
 WORLD = {"v2": 2, "v1": 4, "dp": 4}  # the layouts, in the order shown, and their ranks

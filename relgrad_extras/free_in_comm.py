@@ -14,6 +14,7 @@ the copy, then G/S (G: bucket bytes, S: ranks); Paddle's order holds G + G/S in 
 Phases of a step: check in -> communicate -> complete (scale, free) -> step -> release.
 """
 import torch
+import torch.distributed as dist
 
 from comm_buffer import HOOK_ACTION, FusedCommBuffer, _drop_aliasing_grads
 
@@ -133,14 +134,21 @@ class FreeInCommBuffer(FusedCommBuffer):
             shard = local * (1.0 / self._nranks) if scale else local.clone()
             del local
             _drop_aliasing_grads(self._params, self.use_main_grad, self._drop_grad_storage())
-            for view in self._sharding_param_grad_view.values():
-                view._reset_grad_buffer(shard)
+            self._point_slices_at(shard)
             self.grad_storage = shard
         elif not self._reads():  # REDUCE, not the owner: nothing to keep
             _drop_aliasing_grads(self._params, self.use_main_grad, self._drop_grad_storage())
         elif scale:
             self.grad_storage.mul_(1.0 / self._nranks)
         self._freed_in_comm = True
+
+    def _point_slices_at(self, shard):
+        """Paddle's `_reset_grad_buffer(slice_grad_buffer)`: each slice grad views `shard`."""
+        begin = dist.get_rank(self._comm_group) * shard.numel()
+        for view in self._sharding_param_grad_view.values():
+            view._grad_buffer = shard
+            if view._has_local:
+                view._slice_grad = shard[view._param_begin - begin : view._param_end - begin]
 
     def _clear_grad_storage(self):
         super()._clear_grad_storage()
