@@ -91,8 +91,10 @@ def _rank_entry(rank, fn, world_size, port, args, out_dir, timeout):
     try:
         result = fn(rank, world_size, *args)
     except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "wb") as f:
+        path = os.path.join(out_dir, f"rank{rank}.err")
+        with open(path + ".tmp", "wb") as f:
             pickle.dump((time.time(), traceback.format_exc()), f)
+        os.replace(path + ".tmp", path)  # whole, or not there: launch may read it meanwhile
         raise
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
