@@ -440,7 +440,8 @@ class PipelineParallel(nn.Module):
         hcg = self._hcg
         if (hcg.get_data_parallel_world_size() > 1 and not self._dp_comm_overlap
                 and hcg.get_sharding_parallel_world_size() == 1):  # HybridParallelOptimizer's
-            agreed_all_reduce_mean(params, hcg.get_data_parallel_group(), self._device())
+            agreed_all_reduce_mean(params, hcg.get_data_parallel_group(), self._device(),
+                                   self.optimizer.param_groups)  # and the hyper-parameters
         if self._grad_clip is not None:  # on reduced grads, before the step and the release
             self._grad_clip([(p, _grad(p)) for p in params], norm_groups(hcg), self._device())
         self._phase = "idle"

@@ -27,13 +27,12 @@ from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _sha
 
 
 # ============================================================================================
-# Helpers: the dp sync, the extras folder, firing buckets in order
+# Helpers: the dp sync, hyper-parameters, the extras folder, firing buckets in order
 # ============================================================================================
 
 @torch.no_grad()
 def all_reduce_mean(grads, group):
-    """All-reduce `grads` over `group`, divided by its size, in place (Paddle's
-    `fused_allreduce_gradients`, unfused); 16-bit grads are divided before the sum."""
+    """Paddle's `fused_allreduce_gradients`, unfused: the mean over `group`, in place."""
     scale = 1.0 / dist.get_world_size(group)
     for g in grads:
         if sums_in_16_bits(g.dtype):
@@ -46,29 +45,41 @@ def all_reduce_mean(grads, group):
 
 
 @torch.no_grad()
-def agreed_all_reduce_mean(params, group, device=None):
-    """dp sync with the same collectives on every rank: agree which params have a grad
-    anywhere, give the others zeros (as DDP), all-reduce the mean."""
+def agreed_all_reduce_mean(params, group, device=None, param_groups=()):
+    """dp sync with the same collectives on every rank: a param without a grad here but on
+    some rank joins with zeros (as DDP); `param_groups`' hyper-parameters must agree."""
     params = list(params)
     if params:
         densify_grads(params)
         here = [_grad(p) is not None for p in params]
-        anywhere = agree([group], flags=here, device=device or params[0].device)
+        anywhere = agree([group], same=hyper_parameters(param_groups), flags=here,
+                         device=device or params[0].device, title=_HYPER_TITLE)
         _fill_missing_grads(params, anywhere, here)
         all_reduce_mean([_grad(p) for p, a in zip(params, anywhere) if a], group)
 
 
 @torch.no_grad()
 def _fill_missing_grads(params, anywhere, here):
-    """Zeros (fp32 main_grad where kept) for the params some rank has a grad for, not this."""
     for p, some_rank, mine in zip(params, anywhere, here):
         if some_rank and not mine and _grad(p) is None:
             _set_grad(p, hasattr(p, "main_grad"), torch.zeros(p.shape, device=p.device, dtype=(
                 torch.float32 if hasattr(p, "main_grad") else p.dtype)))
 
 
+_HYPER_TITLE = "every rank that holds the same params must step with the same hyper-parameters"
+
+
+def hyper_parameters(param_groups):
+    """`same` entries for `agree`: each number, bool or tuple of numbers of `param_groups`
+    (lr, betas, ...), as written by hand or by a scheduler; others (None, str) left out."""
+    return [(f"param_groups[{i}][{k!r}]", tuple(v) if isinstance(v, (tuple, list)) else v)
+            for i, group in enumerate(param_groups) for k, v in sorted(group.items())
+            if k != "params" and (isinstance(v, (bool, int, float)) or isinstance(v, (
+                tuple, list)) and all(isinstance(x, (int, float)) for x in v))]
+
+
 def extras(module, what):
-    """Import `relgrad_extras.<module>` for `what`; ImportError naming the folder if absent."""
+    """`relgrad_extras.<module>`, for `what`; ImportError naming the folder if absent."""
     try:
         return importlib.import_module(f"relgrad_extras.{module}")
     except ModuleNotFoundError as error:
@@ -173,23 +184,16 @@ class BucketScheduler:
 
 
 IN_FLIGHT_RULE = ("a grad changed in place while its bucket's collective was in flight (e.g. "
-                  "clip_grad_norm_ or grad.mul_() between backward and step()): the sum would "
-                  "mix old and new values. Clip with opt.clip_grad_norm_(max_norm); change "
-                  "grads after step(). This step's grads are not usable: clear them")
+                  "clip_grad_norm_ or grad.mul_() between backward and step()); clip with "
+                  "opt.clip_grad_norm_(max_norm), change grads after step(); clear this step")
 INCOMPLETE_RULE = ("a bucket was not complete after accumulate_steps={acc} backward passes: "
-                   "every trainable param must get a grad in each, on every rank. Freeze unused "
-                   "params before building; clear grads only after step(). This step's grads "
-                   "are not usable: clear them")
+                   "every trainable param needs a grad in each, on every rank; freeze unused "
+                   "params, clear grads only after step(); clear this step")
 
 
 # ============================================================================================
 # The torch optimizer surface (param_groups / state live, hooks, state_dict)
 # ============================================================================================
-
-GRAD_SCALER_MSG = ("torch.amp.GradScaler cannot drive this optimizer: its unscale_ and inf "
-                   "check read each rank's grads before the sharding reduce. Train without "
-                   "loss scaling: bf16 params with fp32 main grads need none")
-
 
 def clear_grad_func(p, set_to_zero):
     """Zero `p`'s main_grad / grad in place, or drop them (Paddle's clear_grad_func)."""
@@ -204,6 +208,8 @@ class _Wrapper(torch.optim.Optimizer):
     set_to_zero=not set_to_none)`; torch's hooks run; pickling, a closure, a GradScaler raise."""
 
     _step_supports_amp_scaling = True  # GradScaler hands its scale to step(), which refuses
+    param_groups = property(lambda self: self._inner_opt.param_groups)  # live: LRs reach it
+    state = property(lambda self: self._inner_opt.state)  # keys: owned / slice params, masters
 
     def _expose(self, inner):
         self.defaults = inner.defaults
@@ -214,9 +220,6 @@ class _Wrapper(torch.optim.Optimizer):
             setattr(self, name, OrderedDict())
         self._patch_step_function()  # torch's step pre / post hooks around our step()
 
-    param_groups = property(lambda self: self._inner_opt.param_groups)  # live: LRs reach it
-    state = property(lambda self: self._inner_opt.state)  # keys: owned / slice params, masters
-
     def __getstate__(self):
         raise TypeError(f"{type(self).__name__} cannot be pickled or deep-copied; save or copy "
                         "state_dict() instead")
@@ -226,7 +229,9 @@ class _Wrapper(torch.optim.Optimizer):
             raise ValueError("closure is not supported by the sharding wrappers; call the "
                              "model yourself and then step()")
         if getattr(self, "grad_scale", None) is not None:
-            raise ValueError(GRAD_SCALER_MSG)
+            raise ValueError("torch.amp.GradScaler cannot drive this optimizer (its inf check "
+                             "reads each rank's grads before the reduce): use bf16 params with "
+                             "fp32 main grads, which need no loss scaling")
         getattr(self._inner_opt, "check_template", lambda: None)()
 
     def zero_grad(self, set_to_none=True):
@@ -375,9 +380,9 @@ def carries_state(optimizer):
 
 
 def _template_state_rule(wrapper):
-    return (f"the torch optimizer handed to {wrapper} already has state (it was stepped or "
-            "loaded); the wrapper uses it only as a template and would drop that state. Wrap "
-            "a fresh optimizer, then load the saved state into the wrapper")
+    return (f"the torch optimizer handed to {wrapper} already has state (stepped or loaded); "
+            "the wrapper uses it only as a template and would drop it. Wrap a fresh optimizer, "
+            "then load the saved state into the wrapper")
 
 
 # ============================================================================================
@@ -443,12 +448,6 @@ LAYOUT_KEY = "sharding_layout"  # tags a per-rank state_dict() with the layout i
 _ERASE_MSG = ("should not erase grad buffer: with release_gradients off the grads are views "
               "of a fused buffer that must persist; use zero_grad(set_to_none=False), or turn "
               "release on (pp_configs / sharding_configs.release_gradients)")
-_DROPPED_RULE = ("did zero_grad() run between backward and step() on some rank, with no "
-                 "backward after it? Its grads were dropped and would count as zeros in the "
-                 "mean. Clear grads after step(), or run backward again on every rank")
-_NO_GRAD_MSG = ("no param has a grad on any rank at step(): did zero_grad() run between "
-                "backward and step()? Or were the model's params replaced after the optimizer "
-                "was built (load_state_dict(..., assign=True), to_empty())? Build it after")
 
 
 class _Sharding(_Wrapper):
@@ -587,9 +586,9 @@ class _Sharding(_Wrapper):
                 for p in self._parameter_list]
 
     def _agree_at_step(self, entry=None, rules=()):
-        """Open a step on every rank alike: misuse seen anywhere raises everywhere, and a param
-        is stepped iff some rank wrote its grad (the others give zeros, as DDP). `entry`: None
-        for step(), clip_grad_norm_'s arguments for it. Returns the flags."""
+        """Open a step on every rank alike (one all-reduce): misuse, the way it was opened and
+        the hyper-parameters; a param is stepped iff some rank wrote its grad (the others give
+        zeros, as DDP). `entry`: clip_grad_norm_'s arguments, None for step()."""
         if self._phase in ("reduced", "stepped"):
             raise RuntimeError("step() ran again without the optimizer's clear_grad() / "
                                "zero_grad() in between; clear the grads after each step")
@@ -597,23 +596,36 @@ class _Sharding(_Wrapper):
         if self.comm_overlap:  # before the agreement (a collective): match every rank's buckets
             self._scheduler.fire()
         dropped = self._phase == "dropped" and not any(has)
-        problems = list(rules or _clip_rules()) + self._misuse_rules() + [
-            (_DROPPED_RULE, "its grads were dropped after backward" if dropped else None)]
+        problems = list(rules or _clip_rules()) + self._misuse_rules() + [(
+            "did zero_grad() run between backward and step() on some rank, with no backward "
+            "after it? Its grads were dropped and would count as zeros in the mean. Clear grads "
+            "after step(), or run backward again on every rank",
+            "its grads were dropped after backward" if dropped else None)]
         opened = (0, None, None, None) if entry is None else (1, *(
             v if isinstance(v, (int, float)) else None for v in entry))
         try:
-            anywhere = agree(self._flag_groups(), problems, [(
-                "how the step was opened (clip_grad_norm_, max_norm, norm_type, "
-                "error_if_nonfinite)", opened)], has, self._flags_device(), title=(
-                "every rank of the sharding (and dp) group must open a step alike: all with "
-                "opt.clip_grad_norm_(...) with the same arguments, or all with step() alone"))
+            anywhere = agree(self._flag_groups(), problems, [
+                ("how the step was opened (clip_grad_norm_, max_norm, norm_type, "
+                 "error_if_nonfinite)", opened)] + self._hyper_now(), has, self._flags_device(),
+                title="every rank of the sharding (and dp) group must open a step alike, all with "
+                "opt.clip_grad_norm_(...) with the same arguments or all with step() alone, and "
+                "step with the same hyper-parameters")
             if any(p.requires_grad for p in self._parameter_list) and not any(anywhere):
-                raise ValueError(_NO_GRAD_MSG)
+                raise ValueError("no param has a grad on any rank at step(): did zero_grad() "
+                                 "run between backward and step()? Or were the params replaced"
+                                 " after the optimizer was built (load_state_dict(..., "
+                                 "assign=True))? Build it after")
         except ValueError:
             self._phase = "failed"  # the buckets stay for a retried step
             raise
         _fill_missing_grads(self._parameter_list, anywhere, has)
         return anywhere
+
+    def _hyper_now(self):
+        """The hyper-parameters as the steps read them, in the structure they had at the last
+        clear (a key added by hand on one rank only cannot change the agreement's width)."""
+        now = dict(hyper_parameters(self.param_groups))
+        return [(name, _as_wide(now.get(name), value)) for name, value in self._hyper_shape]
 
     def _misuse_rules(self):
         return []
@@ -682,6 +694,7 @@ class _Sharding(_Wrapper):
 
     def _finish_clear(self, error):
         self._snapshot()
+        self._hyper_shape = hyper_parameters(self.param_groups)  # the agreement's structure
         if error is not None:
             raise error
 
@@ -728,6 +741,7 @@ class _Sharding(_Wrapper):
                                             if k != LAYOUT_KEY})
         else:
             ckpt.load(self, state_dict)  # checked on every rank there
+        self._hyper_shape = hyper_parameters(self.param_groups)
 
     def _load_problem(self, state_dict, own):
         if own:
@@ -746,6 +760,13 @@ class _Sharding(_Wrapper):
             return ("load_state_dict takes this rank's state_dict() or a consolidated / plain "
                     f"torch one (keys 'state', 'param_groups'); got {type(state_dict).__name__}")
         return None
+
+
+def _as_wide(value, like):
+    """`value` in the width of `like` (a number or a tuple): None where it does not fit."""
+    width = len(like) if isinstance(like, tuple) else 0
+    fits = isinstance(value, tuple) == bool(width) and (not width or len(value) == width)
+    return value if fits else ((None,) * width if width else None)
 
 
 def _remove_hooks(handles):
@@ -793,7 +814,7 @@ class DygraphShardingOptimizer(_Sharding):
         if self.comm_overlap:
             config = strategy.hybrid_configs["sharding_configs"]
             self._build_owner_buffers(config.accumulate_steps, _comm_buffer_bytes(config))
-        self._snapshot()  # the grads as built: none written yet
+        self._finish_clear(None)  # the state as built: nothing written yet
 
     def _own_buffers(self):
         return self._comm_buffers
@@ -865,7 +886,7 @@ class DygraphShardingOptimizer(_Sharding):
         self._parameter_list += params
         owned = [p for p in params if self._param2rank[p] == self._rank]
         self._inner_opt.add_param_group({**param_group, "params": owned})
-        self._snapshot()
+        self._finish_clear(None)
 
     def _reduce_for_step(self, entry=None, rules=()):
         """step()'s first half: agree, reduce to the owners, dp all-reduce of owned grads."""
@@ -933,10 +954,10 @@ class DygraphShardingOptimizerV2(_Sharding):
         step = inspect.unwrap(type(optimizer).step)  # beyond Paddle: slices need element-wise
         if not any(isinstance(optimizer, c) and step is inspect.unwrap(c.step)
                    for c in _ELEMENTWISE):
+            names = ", ".join(c.__name__ for c in _ELEMENTWISE)
             raise ValueError(f"sharding v2 (split_param) steps flat 1-D slices, so it needs an "
-                             f"element-wise optimizer ({', '.join(c.__name__ for c in _ELEMENTWISE)}"
-                             f" or a subclass keeping their step); got {type(optimizer).__name__}."
-                             " Use sharding v1 (whole params) instead")
+                             f"element-wise optimizer ({names} or a subclass keeping their "
+                             f"step); got {type(optimizer).__name__}. Use sharding v1 instead")
         self._slice_params = {p: torch.nn.Parameter(p.new_empty(0), p.requires_grad)
                               for p in self._parameter_list}
         slices = [[self._slice_params[p] for p in g["params"]] for g in optimizer.param_groups]
@@ -946,7 +967,7 @@ class DygraphShardingOptimizerV2(_Sharding):
         config = strategy.hybrid_configs["sharding_configs"]
         # [later] comm_buffer_size_MB: `_build_comm_buffers(acc_steps, size_MB * 1024 * 1024)`
         self._build_comm_buffers(config.accumulate_steps, _comm_buffer_bytes(config))
-        self._snapshot()  # the grads as built (release off: the buffer's views)
+        self._finish_clear(None)  # the state as built (release off: the buffer's views)
 
     def _build_comm_buffers(self, acc_steps, group_size=256 * 1024 * 1024):
         if self.pp_overlap:
@@ -1104,10 +1125,10 @@ class DygraphShardingOptimizerV2(_Sharding):
 
     def _clip_pairs(self):
         """What a clip reads: this rank's slice grads, without padding."""
-        return [(param, grad[: min(view._param_end, view._index + param.numel())
-                             - view._param_begin])
-                for b in self._comm_buffer_list for param, view in b._sharding_param_grad_view.items()
-                if (grad := _grad(self._slice_params[param])) is not None]
+        views = [(p, v) for b in self._comm_buffer_list for p, v in
+                 b._sharding_param_grad_view.items()]
+        return [(p, grad[: min(v._param_end, v._index + p.numel()) - v._param_begin])
+                for p, v in views if (grad := _grad(self._slice_params[p])) is not None]
 
     def _ownership(self):
         if not self._comm_buffer_list:  # under pipeline overlap, before the first train_batch

@@ -1445,6 +1445,25 @@ def test_failure_moved_grad_on_one_stage(ranks):
                for _, text in seen), seen
 
 
+def test_torchrun_ends_the_job_when_a_stage_fails():
+    """Check that a stage whose loss raises mid-schedule (pp 2, and pp 2 x sharding 2 v2 under
+    the pipeline's overlap; groups' timeout 300 s) ends the whole torchrun job within seconds,
+    with the failing rank's error in torchrun's output."""
+    runs = {layout: subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(n), "-m", "relgrad_checks.torchrun_failure", layout], cwd=Path(__file__).parent,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for layout, n in (("pp2", 2), ("pp2-sharding2-v2", 4))}
+    for layout, run in runs.items():
+        out = run.communicate(timeout=240)[0]
+        ended = time.time()
+        assert run.returncode != 0, (layout, out[-2000:])
+        last = 3 if layout != "pp2" else 1
+        assert f"RuntimeError: injected loss failure on global rank {last}" in out, out[-3000:]
+        failed = [float(m) for m in re.findall(r"failing at ([0-9.]+)", out)]
+        assert len(failed) == 1 and ended - failed[0] < 30, (layout, ended - failed[0])
+
+
 def test_failure_stage_never_arrives(ranks):
     """Check a stage that never calls train_batch fails the other one at the group timeout,
     named, instead of leaving it waiting."""
