@@ -2,9 +2,9 @@
 
 Mirrors the `PpConfig` / `DygraphShardingConfig` messages of
 `paddle/fluid/framework/distributed_strategy.proto` and `HybridCommunicateGroup` of
-`python/paddle/distributed/fleet/base/topology.py` at commit 9b40c67f672f; with the process-group
+`python/paddle/distributed/fleet/base/topology.py` at commit 9b40c67f672f, with the process-group
 helpers the core shares (timeouts, the current-device check). `python relgrad.py` is the main
-job, the command line of `relgrad_demo/` (`relgrad_demo/cli.py`). Leaves out: mp / sep axes.
+job: the command line of `relgrad_demo/cli.py`. Leaves out: mp / sep axes.
 References: Paddle PRs #59739, #64517; PaddleNLP PR #7594 (`enable_release_grads`).
 """
 import sys
@@ -32,15 +32,12 @@ class PpConfig:
     enable_timer: bool = False  # 3: Paddle's pipeline timers; not implemented, must be False
     sharding_comm_overlap: bool = False  # 4: sharding reduce(-scatter) during backward
     profiling: bool = False  # 5: Paddle's profiler hooks; not implemented, must be False
-    # Seed hunk: field 6. The fused grad buffers (the pipeline's with dp / sharding comm
-    # overlap; without a pipeline, v1 / v2's own) are allocated at a step's first grad check-in
-    # and freed after its optimizer step. The one switch under a pipeline; without one,
-    # sharding_configs.release_gradients does the same (the two are ORed for the sharding
-    # optimizers' own buffers; the pipeline's buffers read this flag alone).
+    # Seed hunk: field 6. The fused grad buffers are allocated at a step's first grad
+    # check-in and freed after its optimizer step (the pipeline's read this flag alone;
+    # the sharding optimizers' own buffers also sharding_configs.release_gradients).
     release_gradients: bool = False
-    # Not a proto field: Paddle passes it to `PipelineLayer(num_virtual_pipeline_stages=V)`
-    # (read back by `get_num_virtual_stages()`); our pipeline takes a plain layer list, so the
-    # strategy carries it. V > 1: model chunks per rank, for PipelineParallelWithInterleave.
+    # Not a proto field: Paddle's `PipelineLayer(num_virtual_pipeline_stages=V)`; V > 1:
+    # model chunks per rank, for PipelineParallelWithInterleave.
     num_virtual_pipeline_stages: int = 1
 
     def __post_init__(self):
@@ -58,23 +55,17 @@ class DygraphShardingConfig:
     """Paddle's `DygraphShardingConfig` message (the fields this reference uses)."""
 
     split_param: bool = False  # sharding v2: flat param shards (DygraphShardingOptimizerV2)
-    # Backward passes (micro-batches) per step for v1 / v2's own buffers with comm_overlap (no
-    # pipeline): a bucket's collective fires at its params' last check-in. Not
-    # HybridStrategy.accumulate_steps, which is the pipeline's micro-batch count.
+    # Backward passes per step for v1 / v2's own buffers with comm_overlap (no pipeline); not
+    # HybridStrategy.accumulate_steps, the pipeline's micro-batch count.
     accumulate_steps: int = 1
     comm_overlap: bool = False  # sharding's own tensor-fusion overlap (hooks, no pipeline)
     # [later] field 8, PR #64517: ORed with pp_configs.release_gradients for the sharding
-    # optimizers' own buffers; either one switches release on without a pipeline. Under
-    # pp_configs.sharding_comm_overlap the buffers are the pipeline's and follow the PP flag.
+    # optimizers' own buffers (under pipeline overlap the buffers follow the PP flag)
     release_gradients: bool = False
     # [later] PaddleNLP #9081: free what a rank will not read once its bucket is reduced
-    # (v2: all but its shard; v1: a non-owner's grads); needs release
     free_grads_in_comm: bool = False
-    # [later] Paddle's field (proto default 256): MB per fused grad buffer (bucket) of
-    # sharding, read where Paddle reads it (v2's _build_comm_buffers; here also v1's own
-    # comm_overlap buffers). None = not set: sharding's own buffers take Paddle's 256 MB and
-    # the pipeline's sharding buffers keep its fixed 128 MB (Paddle's pipeline does not read
-    # the field; here it does when the field is set). The pipeline's dp buffers keep 128 MB.
+    # [later] MB per fused grad buffer of sharding; None: Paddle's 256 for sharding's own
+    # buffers, the pipeline's fixed 128 for its own
     comm_buffer_size_MB: int = None
 
     def __post_init__(self):
@@ -83,32 +74,17 @@ class DygraphShardingConfig:
         mb = self.comm_buffer_size_MB
         _require(mb is None or (isinstance(mb, int) and not isinstance(mb, bool) and mb > 0),
                  "sharding_configs.comm_buffer_size_MB must be a positive int (MB per fused "
-                 f"grad buffer; Paddle's default 256), got {mb!r}; pass e.g. 256, or None "
-                 "for the defaults")
-
-    def comm_buffer_bytes(self, default_MB=256):
-        """Bytes per fused grad buffer: `comm_buffer_size_MB` MB if set, else `default_MB` MB
-        (256: sharding's own buffers, Paddle's default; the pipeline passes its 128)."""
-        mb = default_MB if self.comm_buffer_size_MB is None else self.comm_buffer_size_MB
-        return mb * 1024 * 1024
+                 f"grad buffer), got {mb!r}; pass e.g. 256, or None for the defaults")
 
 
 @dataclass
 class HybridStrategy:
-    """Paddle's `DistributedStrategy.hybrid_configs` plus `pipeline_configs`, flattened.
-
-    Raises ValueError for a degree or accumulate_steps < 1, micro_batch_size < 1,
-    sharding_configs.free_grads_in_comm without release, or sharding_configs.comm_overlap
-    with a pipeline.
-    """
+    """Paddle's `DistributedStrategy.hybrid_configs` plus `pipeline_configs`, flattened."""
 
     dp_degree: int = 1  # data-parallel replicas (outermost axis of the rank grid)
     pp_degree: int = 1  # pipeline stages
     sharding_degree: int = 1  # ZeRO-1 shards (innermost axis)
-    # pipeline_configs.accumulate_steps: micro-batches per train_batch (the pipeline divides
-    # each micro-batch's loss by it). Sharding's own overlap reads
-    # sharding_configs.accumulate_steps instead.
-    accumulate_steps: int = 1
+    accumulate_steps: int = 1  # pipeline_configs': micro-batches per train_batch
     micro_batch_size: int = None  # pipeline_configs.micro_batch_size; None: batch / acc
     pp_configs: PpConfig = field(default_factory=PpConfig)
     sharding_configs: DygraphShardingConfig = field(default_factory=DygraphShardingConfig)
@@ -120,15 +96,7 @@ class HybridStrategy:
                      f"{name} must be an int >= 1, got {value!r}")
         _require(self.micro_batch_size is None or self.micro_batch_size >= 1,
                  f"micro_batch_size must be None or >= 1, got {self.micro_batch_size!r}")
-        pp, sd = self.pp_configs, self.sharding_configs
-        released = pp.release_gradients or (sd.release_gradients and not pp.sharding_comm_overlap)
-        _require(released or not sd.free_grads_in_comm, "sharding_configs.free_grads_in_comm "
-                 "needs release: turn on pp_configs.release_gradients (or, without "
-                 "pp_configs.sharding_comm_overlap, sharding_configs.release_gradients)")
-        _require(not (sd.comm_overlap and (pp.sharding_comm_overlap or self.pp_degree > 1)),
-                 "sharding_configs.comm_overlap is sharding's own overlap without a pipeline; "
-                 f"got pp_degree={self.pp_degree}, pp_configs.sharding_comm_overlap="
-                 f"{pp.sharding_comm_overlap}: use pp_configs.sharding_comm_overlap instead")
+        _require(not (problem := sharding_config_problem(self)), problem)
 
     @property
     def hybrid_configs(self):
@@ -145,6 +113,26 @@ class HybridStrategy:
                  f"the world size {world_size}; change the degrees or the number of ranks")
 
 
+def sharding_config_problem(strategy, split_param=None):
+    """What breaks the sharding configs' rules in `strategy` (any object with Paddle's
+    `hybrid_configs`), or None: checked at build and by the sharding optimizers."""
+    configs = strategy.hybrid_configs
+    pp, sd, pp_degree = configs["pp_configs"], configs["sharding_configs"], configs["pp_degree"]
+    split_param = sd.split_param if split_param is None else split_param
+    released = pp.release_gradients or (sd.release_gradients and not pp.sharding_comm_overlap)
+    return next((text for bad, text in [
+        (sd.comm_overlap and (pp.sharding_comm_overlap or pp_degree > 1), "sharding_configs."
+         "comm_overlap is sharding's own overlap without a pipeline: it needs pp_degree 1 and "
+         f"pp_configs.sharding_comm_overlap off (they cannot both be on), got {pp_degree} and "
+         f"{pp.sharding_comm_overlap}; under a pipeline use the latter"),
+        (sd.free_grads_in_comm and not released, "sharding_configs.free_grads_in_comm needs "
+         "release: turn on pp_configs.release_gradients (or, without pipeline overlap, "
+         "sharding_configs.release_gradients)"),
+        (sd.free_grads_in_comm and pp.delay_scale_loss and split_param, "sharding_"
+         "configs.free_grads_in_comm with split_param drops the grads after the reduce-scatter,"
+         " so delay_scale_loss (it scales them) would miss the shards")] if bad), None)
+
+
 # ---- topology ----
 
 class HybridCommunicateGroup:
@@ -159,17 +147,13 @@ class HybridCommunicateGroup:
         stage      0 0 1 1 0 0 1 1      dp groups       {0,4} {1,5} {2,6} {3,7}
         sharding   0 1 0 1 0 1 0 1
 
-    Needs an initialised default process group; every rank creates every group, in order.
-    `timeout` (a timedelta) bounds each collective and p2p wait on the groups; None: the
-    default group's (torch's `new_group` would otherwise give its own default, 30 min, so a
-    stage waiting for a failed one would outlive the timeout the job was started with).
-    Raises ValueError if the degrees do not multiply to the world size.
+    Every rank creates every group, in order. `timeout` bounds each collective and p2p wait on
+    them (None: the default group's; torch's `new_group` would give its own 30 min).
     """
 
     def __init__(self, strategy, timeout=None):
         world, rank = dist.get_world_size(), dist.get_rank()
-        if timeout is None:
-            timeout = group_timeout(None)
+        timeout = timeout or group_timeout(None)
         strategy.check_world_size(world)
         shape = (strategy.dp_degree, strategy.pp_degree, strategy.sharding_degree)
         grid = torch.arange(world).reshape(shape)
@@ -182,48 +166,38 @@ class HybridCommunicateGroup:
                 if rank in ranks:
                     self._groups.append((group, ranks))
 
+    # Paddle's getters: the ranks, sizes and groups along dp (axis 0), pipe (1), sharding (2).
     def get_global_rank(self):
-        """This rank in the default group."""
         return self._rank
 
     def get_data_parallel_rank(self):
-        """This rank's index along dp."""
         return self._coord[0]
 
     def get_data_parallel_world_size(self):
-        """dp_degree."""
         return len(self._groups[0][1])
 
     def get_data_parallel_group(self):
-        """The process group of this rank's dp replicas."""
         return self._groups[0][0]
 
     def get_stage_id(self):
-        """This rank's pipeline stage."""
         return self._coord[1]
 
     def get_pipe_parallel_world_size(self):
-        """pp_degree."""
         return len(self._groups[1][1])
 
     def get_pipe_parallel_group(self):
-        """The process group of this rank's pipe (one rank per stage)."""
         return self._groups[1][0]
 
-    def get_rank_from_stage(self, stage_id):
-        """Global rank of `stage_id` in this rank's pipe."""
+    def get_rank_from_stage(self, stage_id):  # global rank of `stage_id` in this rank's pipe
         return self._groups[1][1][stage_id]
 
     def get_sharding_parallel_rank(self):
-        """This rank's index in its sharding group."""
         return self._coord[2]
 
     def get_sharding_parallel_world_size(self):
-        """sharding_degree."""
         return len(self._groups[2][1])
 
     def get_sharding_parallel_group(self):
-        """The process group that shares one optimizer state."""
         return self._groups[2][0]
 
 
@@ -251,22 +225,20 @@ SET_DEVICE_FIX = ("add `torch.cuda.set_device(local_rank)` (local_rank = int(os.
 
 def device_problem(backend, param_devices, current_device):
     """What is wrong, or None, with params on `param_devices` under a group of `backend` while
-    the current CUDA device is `current_device` (int, None without CUDA): NCCL runs on the
-    current device, so a CUDA param on another one means set_device was not called. Pure."""
-    if _backend_for(backend, "cuda") != "nccl":
-        return None
+    the current CUDA device is `current_device` (None without CUDA): NCCL runs on the current
+    device, so a CUDA param on another one means set_device was not called. Pure."""
     others = sorted({str(d) for d in param_devices if torch.device(d).type == "cuda"
                      and (torch.device(d).index or 0) != current_device})
-    if not others:
+    if _backend_for(backend, "cuda") != "nccl" or not others:
         return None
     return (f"params on {', '.join(others)} but the current CUDA device is "
             f"cuda:{current_device} (torch.cuda.current_device()), where NCCL runs")
 
 
 def check_current_device(params, groups, what):
-    """Raise ValueError on every rank of `groups` if, under NCCL, some rank's params are on a
-    GPU other than its current one. Agreed through the store: a collective would need the
-    very device that is wrong. Beyond Paddle (its launcher gives each process its GPU)."""
+    """ValueError on every rank of `groups` if, under NCCL, some rank's params are on a GPU
+    other than its current one; agreed through the store (a collective would need the very
+    device that is wrong). Beyond Paddle (its launcher gives each process its GPU)."""
     if any(_backend_for(dist.get_backend(g), "cuda") == "nccl" for g in groups):
         current = torch.cuda.current_device() if torch.cuda.is_available() else None
         agree_on_devices(device_problem("nccl", [p.device for p in params], current), groups,

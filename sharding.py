@@ -24,6 +24,7 @@ import torch.distributed as dist
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _share_param_buffer,
                          _weak_hook, agree, assign_group_by_size, densify_grads, global_rank,
                          main_grad_or_grad as _grad, sums_in_16_bits)
+from relgrad import check_current_device, sharding_config_problem
 
 
 # ============================================================================================
@@ -480,28 +481,13 @@ class _Sharding(_Wrapper):
         pp_config = strategy.hybrid_configs["pp_configs"]
         sharding_config = strategy.hybrid_configs["sharding_configs"]
         self._pp_flag = pp_config.release_gradients  # what the pipeline's buffers follow
-        if any("nccl" in str(dist.get_backend(g)) for g in self._flag_groups()):
-            from relgrad import check_current_device  # needs relgrad.py only under NCCL
-            check_current_device(self._parameter_list, self._flag_groups(), type(self).__name__)
+        check_current_device(self._parameter_list, self._flag_groups(), type(self).__name__)
         self._agree_on_setup(optimizer, strategy, grad_clip)
         self._broadcast_params()
         self.comm_overlap = sharding_config.comm_overlap
         self._free_grads_in_comm = sharding_config.free_grads_in_comm
-        pp_degree = strategy.hybrid_configs["pp_degree"]
-        problem = next((text for bad, text in [
-            (self.comm_overlap and (self.pp_overlap or pp_degree > 1), "sharding_configs."
-             "comm_overlap needs pp_degree 1 and pp_configs.sharding_comm_overlap off, got "
-             f"{pp_degree} and {self.pp_overlap} (they cannot both be on): under a pipeline "
-             "use the latter"),
-            (self._free_grads_in_comm and not self._buffers_released, "sharding_configs."
-             "free_grads_in_comm needs release: turn on pp_configs.release_gradients (or, "
-             "without pipeline overlap, sharding_configs.release_gradients)"),
-            (self._free_grads_in_comm and pp_config.delay_scale_loss and self._is_v2,
-             "sharding_configs.free_grads_in_comm with split_param drops the grads after the "
-             "reduce-scatter, so delay_scale_loss (it scales them) would miss the shards")]
-            if bad), None)
-        if problem:
-            raise ValueError(problem)
+        if problem := sharding_config_problem(strategy, self._is_v2):  # HybridStrategy's rules
+            raise ValueError(problem)  # again: a strategy is mutable
         self._grad_clip = _check_grad_clip(grad_clip)
         self._scheduler = BucketScheduler()
         self._phase, self._written, self._marked = "idle", set(), {}  # the step's state

@@ -621,8 +621,10 @@ def test_config_errors():
     for bad in (0, -1, 1.5, "256", True):
         with pytest.raises(ValueError, match="comm_buffer_size_MB must be a positive int"):
             DygraphShardingConfig(comm_buffer_size_MB=bad)
-    assert DygraphShardingConfig(comm_buffer_size_MB=1).comm_buffer_bytes() == 1 << 20
-    assert DygraphShardingConfig().comm_buffer_bytes() == 256 << 20  # Paddle's default
+    from sharding import _comm_buffer_bytes  # the one place it is read
+    assert _comm_buffer_bytes(DygraphShardingConfig(comm_buffer_size_MB=1)) == 1 << 20
+    assert _comm_buffer_bytes(DygraphShardingConfig()) == 256 << 20  # Paddle's default
+    assert _comm_buffer_bytes(DygraphShardingConfig(), 128) == 128 << 20  # the pipeline's
     # Paddle's proto defaults: release is opt-in on both sides
     assert PpConfig().release_gradients is False
     assert DygraphShardingConfig().release_gradients is False
@@ -814,6 +816,7 @@ def test_torchrun_json():
 def test_cli_help_and_effective_strategy(capsys):
     """Check --help describes the command with every default, and the strategy that runs has
     overlap only where the layout allows it (--pp 1: none), whatever --overlap says."""
+    from sharding import _comm_buffer_bytes
     from relgrad_demo.job import make_strategy
     with pytest.raises(SystemExit):
         cli.parse_args(["--help"])
@@ -844,7 +847,7 @@ def test_cli_help_and_effective_strategy(capsys):
     assert strategy.pp_configs.num_virtual_pipeline_stages == 2
     assert strategy.sharding_configs.comm_buffer_size_MB is None  # defaults: 256 / 128 MB
     _, opts = cli.parse_args(["--peers", "--free-grads-in-comm", "--comm-buffer-mb", "1"])
-    assert make_strategy(opts, "free").sharding_configs.comm_buffer_bytes() == 1 << 20
+    assert _comm_buffer_bytes(make_strategy(opts, "free").sharding_configs) == 1 << 20
     from relgrad_demo import peers
     assert list(peers.systems(opts)) == ["v2 release off", "v2 release on", "DDP + ZeRO",
                                          "FSDP2", "v2 release + free-in-comm"]

@@ -265,7 +265,7 @@ def _check_config_errors(hcg, world):
                               hcg, _for(_CLASSES[version], st))
         st = _own_strategy(world, 1, True)
         st.pp_degree = 2
-        with pytest.raises(ValueError, match="comm_overlap needs pp_degree 1 .*, got 2 and False"):
+        with pytest.raises(ValueError, match="needs pp_degree 1 .*, got 2 and False"):
             _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()),
                               hcg, _for(_CLASSES[version], st))
     st = _own_strategy(world, 1, True, free=True, overlap=False)
