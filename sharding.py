@@ -16,7 +16,7 @@ import importlib
 import inspect
 import math
 import weakref
-from collections import Counter, OrderedDict
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,8 @@ import torch.distributed as dist
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _share_param_buffer,
                          _weak_hook, agree, assign_group_by_size, densify_grads, global_rank,
                          main_grad_or_grad as _grad, sums_in_16_bits)
-from relgrad import check_current_device, sharding_config_problem
+from relgrad import (MixPrecisionOptimizer, _hyper, _template_state_rule, _Wrapper, carries_state,
+                     check_current_device, clear_grad_func, sharding_config_problem)
 
 
 # ============================================================================================
@@ -190,200 +191,6 @@ IN_FLIGHT_RULE = ("a grad changed in place while its bucket's collective was in 
 INCOMPLETE_RULE = ("a bucket was not complete after accumulate_steps={acc} backward passes: "
                    "every trainable param needs a grad in each, on every rank; freeze unused "
                    "params, clear grads only after step(); clear this step")
-
-
-# ============================================================================================
-# The torch optimizer surface (param_groups / state live, hooks, state_dict)
-# ============================================================================================
-
-def clear_grad_func(p, set_to_zero):
-    """Zero `p`'s main_grad / grad in place, or drop them (Paddle's clear_grad_func)."""
-    for name in ("main_grad", "grad"):
-        if (g := getattr(p, name, None)) is not None:
-            g.zero_() if set_to_zero else setattr(p, name, None)
-
-
-class _Wrapper(torch.optim.Optimizer):
-    """The torch face of the wrappers (torch 2.13's `Optimizer`): `param_groups` / `state` are
-    the inner optimizer's, re-read on each access; `zero_grad(set_to_none)` is `clear_grad(
-    set_to_zero=not set_to_none)`; torch's hooks run; pickling, a closure, a GradScaler raise."""
-
-    _step_supports_amp_scaling = True  # GradScaler hands its scale to step(), which refuses
-    param_groups = property(lambda self: self._inner_opt.param_groups)  # live: LRs reach it
-    state = property(lambda self: self._inner_opt.state)  # keys: owned / slice params, masters
-
-    def _expose(self, inner):
-        self.defaults = inner.defaults
-        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                     "_optimizer_load_state_dict_pre_hooks",
-                     "_optimizer_load_state_dict_post_hooks"):  # what Optimizer.__init__ makes
-            setattr(self, name, OrderedDict())
-        self._patch_step_function()  # torch's step pre / post hooks around our step()
-
-    def __getstate__(self):
-        raise TypeError(f"{type(self).__name__} cannot be pickled or deep-copied; save or copy "
-                        "state_dict() instead")
-
-    def _check_step_args(self, closure):
-        if closure is not None:
-            raise ValueError("closure is not supported by the sharding wrappers; call the "
-                             "model yourself and then step()")
-        if getattr(self, "grad_scale", None) is not None:
-            raise ValueError("torch.amp.GradScaler cannot drive this optimizer (its inf check "
-                             "reads each rank's grads before the reduce): use bf16 params with "
-                             "fp32 main grads, which need no loss scaling")
-        getattr(self._inner_opt, "check_template", lambda: None)()
-
-    def zero_grad(self, set_to_none=True):
-        self.clear_grad(set_to_zero=not set_to_none)
-
-    def add_param_group(self, param_group):
-        raise ValueError(f"{type(self).__name__} cannot add a param group after it was built; "
-                         "build the torch optimizer with every group first, then wrap it")
-
-    def state_dict(self):  # this rank's state, through torch's hooks
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        state_dict = self._local_state_dict()
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            state_dict = hook(self, state_dict) or state_dict
-        return state_dict
-
-    def load_state_dict(self, state_dict):  # through torch's hooks
-        state_dict = state_dict.copy()
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            state_dict = hook(self, state_dict) or state_dict
-        self._load_local_state_dict(state_dict)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
-
-    def _local_state_dict(self):
-        return self._inner_opt.state_dict()
-
-    def _load_local_state_dict(self, state_dict):
-        self._inner_opt.load_state_dict(state_dict)
-
-
-# ============================================================================================
-# fp32 master weights: MixPrecisionOptimizer (Paddle's mix_precision_utils.py)
-# ============================================================================================
-
-def _hyper(group):
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-class MixPrecisionOptimizer(_Wrapper):
-    """Step `optimizer`'s class and hyper-parameters on fp32 masters, reading `main_grad`:
-    each bf16 / fp16 *target* (a param, or a v2 slice) gets a master, fed `main_grad` (or the
-    grad) at `step()` and copied back; fp32 / fp64 targets step directly. A target written
-    since its last copy-back reloads its master. `params`: targets per group."""
-
-    def __init__(self, optimizer, params=None):
-        if carries_state(optimizer):  # the sharding wrappers agree on this first
-            raise ValueError(f"{_template_state_rule(type(self).__name__)}; it holds state "
-                             f"for {len(optimizer.state)} param(s)")
-        self._targets, self._masters = [], {}
-        groups = [self._master_group(group, targets) for group, targets in zip(
-            optimizer.param_groups, params or [g["params"] for g in optimizer.param_groups])]
-        self._inner_opt = _rebuilt(optimizer, groups)
-        self._expose(self._inner_opt)
-        # An LR scheduler built on the template would change it where nothing steps.
-        self._template, self._built = optimizer, [_hyper(g) for g in optimizer.param_groups]
-
-    def _master_group(self, group, targets):
-        targets = [targets] if isinstance(targets, torch.Tensor) else list(targets)
-        known = {id(t) for t in self._targets}
-        if any(id(t) in known for t in targets) or len({id(t) for t in targets}) < len(targets):
-            raise ValueError("some params are already in the optimizer (or repeated); a param "
-                             "belongs to one group")
-        self._targets += targets
-        self._masters.update({t: t.detach().float() for t in targets
-                              if t.is_floating_point() and t.element_size() < 4})
-        return {**_hyper(group), "params": [self._masters.get(t, t) for t in targets]}
-
-    def check_template(self):
-        """ValueError if the wrapped optimizer changed since (an LR scheduler built on it)."""
-        for i, (group, built) in enumerate(zip(self._template.param_groups, self._built)):
-            changed = {k: (built.get(k), v) for k, v in _hyper(group).items()
-                       if built.get(k) != v and k != "initial_lr"}
-            if changed:
-                raise ValueError(f"the torch optimizer changed after wrapping (group {i}, "
-                                 f"(built, now): {changed}); the wrapper steps with its own "
-                                 "param_groups. Build the scheduler on the wrapper")
-
-    def add_param_group(self, param_group):
-        self._inner_opt.add_param_group(self._master_group(param_group, param_group["params"]))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One optimizer step on every target that has a main_grad or grad (others skipped)."""
-        self._check_step_args(closure)
-        self.check_template()
-        bound, with_grad = [], []
-        for t in self._targets:
-            master, grad = self._masters.get(t), _grad(t)
-            if master is not None:
-                if grad is not None and master.shape != t.shape:  # a v2 slice filled late
-                    master.data = t.detach().float()
-                elif grad is not None:
-                    with_grad.append((t, master))
-                master.grad = None if grad is None else grad.float()  # no copy for fp32
-                bound.append(master)
-            elif getattr(t, "main_grad", None) is not None:  # fp32 param, fp32 main_grad
-                t.grad = t.main_grad
-                bound.append(t)
-        if with_grad:  # targets written behind our back reload their masters (one sync)
-            differs = torch.stack([(m.to(t.dtype) != t).any() for t, m in with_grad]).tolist()
-            for (t, master), changed in zip(with_grad, differs):
-                if changed:
-                    master.copy_(t)
-        self._inner_opt.step()
-        for t, master in self._masters.items():
-            if master.grad is not None:
-                t.copy_(master)
-        for p in bound:
-            p.grad = None
-
-    @torch.no_grad()
-    def clear_grad(self, set_to_zero=True):
-        for t in self._targets:  # Paddle's clear_grad
-            clear_grad_func(t, set_to_zero)
-
-    def _local_state_dict(self):
-        return {"inner": self._inner_opt.state_dict(),
-                "masters": [m.clone() for m in self._masters.values()]}
-
-    def _load_local_state_dict(self, state_dict):
-        if "inner" not in state_dict:  # a plain torch optimizer's state_dict(), same params
-            return self._inner_opt.load_state_dict(state_dict)
-        self._inner_opt.load_state_dict(state_dict["inner"])
-        for m, saved in zip(self._masters.values(), state_dict["masters"]):
-            m.data = saved.clone()
-
-
-def _rebuilt(optimizer, groups):
-    """A new optimizer of `optimizer`'s class and hyper-parameters over `groups`."""
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items()
-                                      if k in accepted})
-
-
-def carries_state(optimizer):
-    """True if `optimizer` holds state a fresh one would not (stepped or loaded)."""
-    if not optimizer.state:
-        return False
-    fresh = _rebuilt(optimizer, [{**_hyper(g), "params": g["params"]}
-                                 for g in optimizer.param_groups])
-    return any(set(state) != set(new := fresh.state.get(p, {})) or not all(
-        torch.equal(torch.as_tensor(v), torch.as_tensor(new[k])) for k, v in state.items())
-        for p, state in optimizer.state.items())
-
-
-def _template_state_rule(wrapper):
-    return (f"the torch optimizer handed to {wrapper} already has state (stepped or loaded); "
-            "the wrapper uses it only as a template and would drop it. Wrap a fresh optimizer, "
-            "then load the saved state into the wrapper")
 
 
 # ============================================================================================
