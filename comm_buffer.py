@@ -23,9 +23,7 @@ import torch
 import torch.distributed as dist
 
 
-# ============================================================================================
-# Layout: slots, shards and the views into them (nothing here communicates)
-# ============================================================================================
+# ---- Layout: slots, shards and the views into them (nothing here communicates) ----
 
 ALIGNMENT_BYTES = 256  # Paddle's alignment["gpu"]: each slot starts on a 256-byte boundary
 
@@ -38,8 +36,7 @@ def _set_grad(param, use_main_grad, value):
     setattr(param, "main_grad" if use_main_grad else "grad", value)
 
 
-def _share_param_buffer(param, param_buffer, index):
-    """Copy `param` into `param_buffer[index:index+numel]` and make it a view of that range."""
+def _share_param_buffer(param, param_buffer, index):  # the param becomes a view of its range
     flat = param_buffer[index : index + param.numel()]
     flat.copy_(param.detach().reshape(-1))
     param.data = flat.view(param.shape)  # the same Parameter object: optimizers keep working
@@ -64,8 +61,7 @@ class ShardingGradView:
             self._link_grad_to_buffer()
         _share_param_buffer(param, param_buffer, index)
 
-    def _slice_grad_from_buffer(self):
-        """Set `_slice_grad` from `_grad_buffer`; return the param's 1-D grad view (numel)."""
+    def _slice_grad_from_buffer(self):  # sets `_slice_grad`; returns the param's 1-D view
         if self._has_local:
             self._slice_grad = self._grad_buffer[self._param_begin : self._param_end]
         return self._grad_buffer[self._index : self._index + self._param.numel()]
@@ -74,8 +70,7 @@ class ShardingGradView:
         grad = self._slice_grad_from_buffer().view(self._param.shape)
         _set_grad(self._param, self._use_main_grad, grad)
 
-    def fill_slice_param(self, slice_param):
-        """Make `slice_param` the 1-D view `param_buffer[_param_begin:_param_end]`."""
+    def fill_slice_param(self, slice_param):  # the 1-D view of this rank's piece
         slice_param.data = self._param_buffer[self._param_begin : self._param_end]
 
     def assign_slice_grad(self, slice_param):
@@ -89,8 +84,7 @@ class ShardingGradView:
         else:  # as Paddle asserts: a bound slice grad is this step's `_slice_grad`
             assert current.data_ptr() == self._slice_grad.data_ptr(), "stale slice grad"
 
-    def _reset_grad_buffer(self):
-        """Drop the references into the grad buffer (Paddle frees them, `_clear_dataptr`)."""
+    def _reset_grad_buffer(self):  # Paddle frees them (`_clear_dataptr`); torch drops them
         self._slice_grad = self._grad_buffer = None
 
 
@@ -151,9 +145,7 @@ def flatten_dense_tensors(params, use_main_grad=False, fuse_param=False, release
     return param_storage, grad_storage, size, param2offset
 
 
-# ============================================================================================
-# Hooks and helpers shared by the buffer's users
-# ============================================================================================
+# ---- Hooks and helpers shared by the buffer's users ----
 
 class HOOK_ACTION:
     """The collective a `FusedCommBuffer` issues on its whole buffer (Paddle's HOOK_ACTION)."""
@@ -187,9 +179,8 @@ def densify_grads(params):
 
 
 def sums_in_16_bits(dtype):
-    """True for bf16 / fp16, whose SUM collectives divide by the ranks first (differs from the
-    seed: a 16-bit sum can overflow where the mean fits, fp16 40000 + 30000 = inf; DDP divides
-    first too, Paddle later added `use_reduce_avg`). fp32 / fp64 keep the seed's order."""
+    """bf16 / fp16 sums divide by the ranks first (differs from the seed: a 16-bit sum can
+    overflow where the mean fits, fp16 40000 + 30000 = inf; as DDP, and Paddle's later AVG)."""
     return dtype.is_floating_point and dtype.itemsize < 4
 
 
@@ -210,14 +201,14 @@ def assign_group_by_size(params, group_size=128 * 1024 * 1024):
 
 
 def bw_hook_func(buffer, param, use_comm=True):
-    """Hook for `param.register_post_accumulate_grad_hook` (Paddle: `_register_backward_hook`,
-    also after accumulation): `buffer.add_grad(param, use_comm)`. Holds the buffer weakly (a
-    cycle through a tensor's hooks is never collected in torch)."""
+    """`param.register_post_accumulate_grad_hook`'s hook (Paddle: `_register_backward_hook`):
+    `buffer.add_grad(param, use_comm)`, holding the buffer weakly (torch never frees a cycle
+    through a tensor's hooks)."""
     return _weak_hook(lambda b, p: b.add_grad(p, use_comm=use_comm), buffer)
 
 
 def _weak_hook(call, *owners):
-    """A no-grad hook `hook(param)` calling `call(*owners, param)` through weak references."""
+    """A no-grad `hook(param)` calling `call(*owners, param)` through weak references."""
     refs = [weakref.ref(owner) for owner in owners]
 
     @torch.no_grad()
@@ -232,10 +223,9 @@ def _weak_hook(call, *owners):
 
 
 def register_main_grad_hooks(params):
-    """Keep an fp32 `param.main_grad` beside low-precision params (Paddle's MixPrecisionLayer):
-    a post-accumulate hook makes it an fp32 copy of the grad (first micro-batch) or adds into
-    it, then drops `param.grad`. Register before the buffer hooks (torch runs them in order).
-    Returns the hook handles."""
+    """An fp32 `param.main_grad` beside low-precision params (Paddle's MixPrecisionLayer): each
+    grad is added into it, then dropped. Register before the buffer hooks (torch runs them in
+    order). Returns the hook handles."""
     handles = []
     for p in params:
         if p.requires_grad:
@@ -254,9 +244,7 @@ def _update_main_grad(param):
     param.grad = None
 
 
-# ============================================================================================
-# Agreeing across ranks: one small all-reduce; details only when something is flagged
-# ============================================================================================
+# ---- Agreeing across ranks: one small all-reduce; details only when something is flagged ----
 
 _NONE = -2 ** 63  # "no value here": the identity of MAX
 _ROUNDS = Counter()  # (kind, ranks) -> store rounds this process ran (keys must not repeat)
@@ -321,16 +309,14 @@ def _all_max(values, groups, device, timeout):
     return tensor.tolist()
 
 
-def _round_key(kind, ranks):
-    """This process's next store key of `kind` over `ranks` (counted alike on every rank)."""
+def _round_key(kind, ranks):  # this process's next store key (counted alike on every rank)
     ranks = tuple(ranks)
     _ROUNDS[kind, ranks] += 1
     return f"relgrad/{kind}/{','.join(map(str, ranks))}/{_ROUNDS[kind, ranks]}"
 
 
 def _gather(obj, groups, via_store=False):
-    """Every rank's `obj` over `groups` in turn (by rank): an all_gather_object per group, or
-    an exchange through the default store (within its timeout, the default group's)."""
+    """Every rank's `obj` over `groups` in turn (by rank): all_gather_object, or the store."""
     seen = [obj]
     for group in groups:
         if via_store:
@@ -380,21 +366,17 @@ def is_timeout_error(error):
         _TIMEOUT_WORDS.search(str(error)))
 
 
-def _store():
-    """The default group's store (a side channel beside the collectives), or None."""
+def _store():  # the default group's store, a side channel beside the collectives
     try:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 (private API)
         return None
 
 
-# ============================================================================================
-# The fused buffer: check in -> communicate -> wait and scale -> release
-# ============================================================================================
+# ---- The fused buffer: check in -> communicate -> wait and scale -> release ----
 
-_ADDRESS_MSG = ("The address of the grad/main_grad of {name} changed during training: while "
-                "the buffer holds it, the grad must stay the view of its slot. Change grads "
-                "in place (zero_grad(set_to_none=False), grad.mul_(s)), or turn release on")
+_ADDRESS_MSG = ("The address of the grad/main_grad of {name} changed during training: it must "
+                "stay its slot's view; change grads in place (grad.mul_(s)), or release on")
 
 
 class FusedCommBuffer:
@@ -441,10 +423,7 @@ class FusedCommBuffer:
         self._grads_to_addr = {} if release_grads else {  # Paddle's _record_addr
             p: _addr(_grad_of(p, self.use_main_grad)) for p in params}
 
-    @property
-    def params(self):
-        """The bucket's params, in buffer order."""
-        return self._params
+    params = property(lambda self: self._params)  # in buffer order
 
     def _name(self, param):
         return (f"param #{self._index[param]} of bucket {self._id} "
@@ -485,19 +464,16 @@ class FusedCommBuffer:
         if param not in self._params_step_dict:
             what = self._name(param) if param in self._index else (
                 f"a param of shape {tuple(param.shape)}")
-            raise ValueError(f"add_grad: {what} is not in bucket {self._id}, or already checked "
-                             f"in acc_steps={self._acc_steps} times this step; register hooks "
-                             "only on the bucket's params, end a step with scale_grads()")
+            raise ValueError(f"add_grad: {what} is not in bucket {self._id}, or already in "
+                             f"acc_steps={self._acc_steps} times; end a step with scale_grads()")
         if self.use_main_grad and param.grad is not None:
             raise ValueError(f"add_grad: {self._name(param)} still has its low-precision grad: "
-                             "register_main_grad_hooks must be registered before the buffer's "
-                             "hooks")
+                             "register_main_grad_hooks before the buffer's hooks")
         count, storage = self._params_step_dict[param], self.grad_storage
         fresh = self._params_checked_in == 0 and not any(self._params_step_dict.values())
         if self._release_grads and fresh and storage is not None:
             raise ValueError(f"bucket {self._id}: a new step started while last step's grad "
-                             "buffer is still allocated; after the optimizer step drop the "
-                             "grads and call release()")
+                             "buffer is still allocated; release() it after the step")
         if self._release_grads and count > 0 and _addr(_grad_of(param, self.use_main_grad)) != (
                 self._slot(param) if self._act != HOOK_ACTION.REDUCE_SCATTER else
                 self._sharding_param_grad_view[param]._slice_grad_from_buffer()).data_ptr():
@@ -536,12 +512,10 @@ class FusedCommBuffer:
         _drop_aliasing_grads(self._params, self.use_main_grad, self._drop_grad_storage())
         self._reset_params_checked_in()
 
-    def release(self):
-        """`_clear_grad_storage()` under a public name, for torch users' loops."""
+    def release(self):  # `_clear_grad_storage()` under a public name
         self._clear_grad_storage()
 
     def _drop_grad_storage(self):
-        """Drop `grad_storage` and the views into it; return the dropped storage."""
         # Seed hunk (reconstructed, point 4): the whole method: what _clear_grad_storage frees
         storage, self.grad_storage = self.grad_storage, None
         if self._act == HOOK_ACTION.REDUCE_SCATTER:
@@ -549,8 +523,7 @@ class FusedCommBuffer:
                 view._reset_grad_buffer()
         return storage
 
-    def comm_grads(self):
-        """Issue the collective; raises RuntimeError unless every param has checked in."""
+    def comm_grads(self):  # issue the collective (RuntimeError unless every param is in)
         if not self._all_params_checked_in:
             raise RuntimeError(f"bucket {self._id}: not all params checked in: "
                                f"{self._check_in_status()}")
@@ -596,14 +569,13 @@ class FusedCommBuffer:
         """Wait for the collective, scale by 1/nranks what this rank reads (Paddle: the whole
         buffer), reset the check-ins. RuntimeError if none was issued."""
         if self._task is None:
-            raise RuntimeError(f"bucket {self._id}: no collective in flight, so nothing to wait "
-                               f"for: {self._check_in_status()}. A param that gets no grad in "
-                               "backward never checks in; or scale_grads() already ran")
+            raise RuntimeError(f"bucket {self._id}: no collective in flight, nothing to wait for:"
+                               f" {self._check_in_status()} (a param without grads never checks"
+                               " in; or scale_grads() ran already)")
         self._complete_comm()
         self._reset_params_checked_in()
 
-    def _complete_comm(self):
-        """Wait for the collective and scale what this rank reads."""
+    def _complete_comm(self):  # wait for the collective, scale what this rank reads
         self._task.wait()
         if self._scales_after_comm and self._reads():
             mine = self.grad_storage
@@ -615,8 +587,7 @@ class FusedCommBuffer:
         return self._act != HOOK_ACTION.REDUCE or dist.get_rank() == self._dst
 
     @torch.no_grad()
-    def assign_slice_grad(self, param, slice_param):
-        """REDUCE_SCATTER: bind `slice_param` (1-D) and its grad to this rank's piece of `param`."""
+    def assign_slice_grad(self, param, slice_param):  # REDUCE_SCATTER: this rank's piece
         self._sharding_param_grad_view[param].assign_slice_grad(slice_param)
 
     @torch.no_grad()
@@ -657,8 +628,7 @@ def _drop_aliasing_grads(params, use_main_grad, storage):
 
 
 def _bad_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param, release_grads,
-                     use_main_grad):
-    """What is wrong with FusedCommBuffer's arguments, or None."""
+                     use_main_grad):  # what is wrong with FusedCommBuffer's arguments, or None
     # Seed hunk (reconstructed, point 5): fuse_param with release is refused
     if fuse_param and release_grads:
         return "fuse_param=True and release_grads=True cannot be used together (as in Paddle)"
@@ -692,8 +662,7 @@ def _stages_full_copies(group, tensor):
     return _backend_for(dist.get_backend(group), tensor.device.type) == "gloo"
 
 
-def _backend_for(backend, device_type):
-    """The backend name for `device_type` in `backend` ("nccl", or "cpu:gloo,cuda:nccl")."""
+def _backend_for(backend, device_type):  # in "nccl", or "cpu:gloo,cuda:nccl"
     backend = str(backend)
     if ":" in backend:
         return dict(b.split(":", 1) for b in backend.split(",")).get(device_type, "")

@@ -45,8 +45,7 @@ class PipelineStageTimeout(TimeoutError):
     """A stage waited past the pipe group's timeout for another stage (which is named)."""
 
 
-def _cut_layers(layers, seg_boundaries, parts):
-    """`parts + 1` rising boundaries over `layers`; default an even split by count."""
+def _cut_layers(layers, seg_boundaries, parts):  # `parts + 1` rising boundaries; default even
     bounds = seg_boundaries or [len(layers) * i // parts for i in range(parts + 1)]
     if (len(bounds) != parts + 1 or bounds[0] != 0 or bounds[-1] != len(layers)
             or any(a > b for a, b in zip(bounds, bounds[1:]))):
@@ -55,13 +54,11 @@ def _cut_layers(layers, seg_boundaries, parts):
     return bounds
 
 
-def _build_segment(layers):
-    """`nn.Sequential` of `layers`; a zero-argument callable (LayerDesc) is called here."""
+def _build_segment(layers):  # a zero-argument callable (Paddle's LayerDesc) is called here
     return nn.Sequential(*[l if isinstance(l, nn.Module) else l() for l in layers])
 
 
-def _clear_grad(optimizer, set_to_zero=True):
-    """Paddle's `optimizer.clear_grad(set_to_zero)`; a plain torch optimizer's `zero_grad`."""
+def _clear_grad(optimizer, set_to_zero=True):  # Paddle's `clear_grad`, or torch's `zero_grad`
     if hasattr(optimizer, "clear_grad"):
         optimizer.clear_grad(set_to_zero=set_to_zero)
     else:
@@ -145,8 +142,7 @@ class PipelineParallel(nn.Module):
                              " (relgrad_extras.interleave)")
 
     def _check_untied_shares(self, layers, bounds, shared_weights):
-        """Beyond Paddle: a Parameter object in two stages' layers, untied, raises on every rank
-        (each stage would train its own copy, and the copies would drift apart silently)."""
+        """Beyond Paddle: one Parameter in two stages' layers, untied, raises on every rank."""
         tied = [set(tie) for tie in shared_weights or ()]
         first = {}
         for i, layer in enumerate(layers):
@@ -529,8 +525,7 @@ class PipelineParallel(nn.Module):
         return got_prev.requires_grad_(got_prev.is_floating_point()) if got_prev is not None \
             else got_next
 
-    def _p2p_one(self, op, tensor, peer, group):
-        """One isend / irecv, batched (unbatched, nccl opens a 2-rank communicator per pair)."""
+    def _p2p_one(self, op, tensor, peer, group):  # batched: nccl opens a communicator per pair
         self._wait_p2p(dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)]), [peer])
 
     def _wait_p2p(self, works, peers):

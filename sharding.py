@@ -28,9 +28,7 @@ from relgrad import (MixPrecisionOptimizer, _hyper, _template_state_rule, _Wrapp
                      check_current_device, clear_grad_func, sharding_config_problem)
 
 
-# ============================================================================================
-# Helpers: the dp sync, hyper-parameters, the extras folder, firing buckets in order
-# ============================================================================================
+# ---- Helpers: the dp sync, hyper-parameters, the extras folder, firing buckets in order ----
 
 @torch.no_grad()
 def all_reduce_mean(grads, group):
@@ -48,8 +46,7 @@ def all_reduce_mean(grads, group):
 
 @torch.no_grad()
 def agreed_all_reduce_mean(params, group, device=None, param_groups=()):
-    """dp sync with the same collectives on every rank: a param without a grad here but on
-    some rank joins with zeros (as DDP); `param_groups`' hyper-parameters must agree."""
+    """dp sync with the same collectives on every rank (a grad some rank lacks: zeros, as DDP)."""
     params = list(params)
     if params:
         densify_grads(params)
@@ -72,8 +69,7 @@ _HYPER_TITLE = "every rank that holds the same params must step with the same hy
 
 
 def hyper_parameters(param_groups):
-    """`same` entries for `agree`: each number, bool or tuple of numbers of `param_groups`
-    (lr, betas, ...), as written by hand or by a scheduler; others (None, str) left out."""
+    """`agree`'s `same` entries: the numbers, bools, tuples of numbers of `param_groups`."""
     return [(f"param_groups[{i}][{k!r}]", tuple(v) if isinstance(v, (tuple, list)) else v)
             for i, group in enumerate(param_groups) for k, v in sorted(group.items())
             if k != "params" and (isinstance(v, (bool, int, float)) or isinstance(v, (
@@ -99,15 +95,12 @@ def plug_free_in_comm(buffers, free_grads_in_comm):
 
 
 class BucketScheduler:
-    """Issues the `add`ed buckets' collectives in one order on every rank: the reverse of the
+    """Issues the `add`ed buckets' collectives in one order on every rank, the reverse of the
     build order (backward reaches the last params first). Beyond Paddle, whose hooks fire each
-    bucket as it completes: a param one rank's backward skips would mix up the collectives.
-
-    With `fire_on_hook` a check-in fires each complete bucket whose predecessors fired (`held`
-    ones aside: a tied copy's fires after the tie sum); else the caller `fire`s. `fire` issues
-    the rest with what they hold; `wait_and_agree` then raises on every rank if some were
-    incomplete. A check-in past acc_steps counts in `extra` (a backward pass too many).
-    """
+    bucket when complete: a param one rank's backward skips would mix up the collectives.
+    With `fire_on_hook` a check-in fires each complete bucket whose predecessors fired (not the
+    `held`: a tied copy's, after the tie sum); else the caller `fire`s, which issues the rest
+    with what they hold. Check-ins past acc_steps count in `extra` (a pass too many)."""
 
     def __init__(self, fire_on_hook=True):
         self.buffers, self.fire_on_hook, self.held = [], fire_on_hook, []
@@ -167,8 +160,8 @@ class BucketScheduler:
         return most, min(counts, default=acc if done else 0)
 
     def wait_and_agree(self, groups, device):
-        """After `fire()`: agree that every rank checked every param in acc_steps times and
-        changed no grad in flight, then wait and scale; else every rank settles and raises."""
+        """After `fire()`: agree that every param checked in acc_steps times everywhere and no
+        grad changed in flight, then wait and scale; else every rank settles and raises."""
         acc = self.buffers[0]._acc_steps if self.buffers else None
         most, fewest = self.passes()
         changed = [b._id for b in self.buffers if b._changed_in_flight()]
@@ -185,17 +178,13 @@ class BucketScheduler:
             buffer.scale_grads()
 
 
-IN_FLIGHT_RULE = ("a grad changed in place while its bucket's collective was in flight (e.g. "
-                  "clip_grad_norm_ or grad.mul_() between backward and step()); clip with "
-                  "opt.clip_grad_norm_(max_norm), change grads after step(); clear this step")
-INCOMPLETE_RULE = ("a bucket was not complete after accumulate_steps={acc} backward passes: "
-                   "every trainable param needs a grad in each, on every rank; freeze unused "
-                   "params, clear grads only after step(); clear this step")
+IN_FLIGHT_RULE = ("a grad changed in place while its bucket's collective was in flight (clip or "
+                  "grad.mul_() before step()): use opt.clip_grad_norm_(max_norm); clear this step")
+INCOMPLETE_RULE = ("a bucket was not complete after accumulate_steps={acc} backward passes: each "
+                   "trainable param needs a grad in each, on every rank; clear this step")
 
 
-# ============================================================================================
-# Clipping by the global norm (Paddle's HybridParallelClipGrad; torch's clip_grad_norm_)
-# ============================================================================================
+# ---- Clipping by the global norm (Paddle's HybridParallelClipGrad; torch's clip_grad_norm_) ----
 
 CLIP_EPS = 1e-6  # Paddle's (and torch's) epsilon in the coefficient's denominator
 
@@ -211,10 +200,9 @@ def norm_groups(hcg):
 @torch.no_grad()
 def clip_grads_by_global_norm(params_grads, max_norm, groups=(), device=None,
                               coefficient="paddle"):
-    """Scale the grads of `params_grads` (what this rank steps) in place by the global L2 norm
-    over `groups` (fp32 squares; `need_clip=False` out, `is_firstly_shared=False` uncounted);
-    coefficient "paddle": `max_norm / (max(norm, max_norm) + 1e-6)`, "torch": `min(max_norm /
-    (norm + 1e-6), 1)`. Returns the norm (0-d fp32), equal on every rank."""
+    """Scale `params_grads` (what this rank steps) in place by the L2 norm over `groups` (fp32;
+    `need_clip=False`: out, `is_firstly_shared=False`: uncounted) by "paddle": `max_norm /
+    (max(norm, max_norm) + 1e-6)` or "torch": `min(max_norm / (norm + 1e-6), 1)`. Returns it."""
     pairs = [(p, g) for p, g in params_grads if g is not None and getattr(p, "need_clip", True)]
     squares = [g.float().square().sum() for p, g in pairs if getattr(p, "is_firstly_shared", True)]
     device = device or (pairs[0][1].device if pairs else torch.device("cpu"))
@@ -248,20 +236,16 @@ def _clip_rules(args=None, grad_clip=None):
              f"grad_clip={grad_clip!r}" if args and grad_clip is not None else None)]
 
 
-# ============================================================================================
-# Sharding v1 and v2
-# ============================================================================================
+# ---- Sharding v1 and v2 ----
 
 LAYOUT_KEY = "sharding_layout"  # tags a per-rank state_dict() with the layout it fits
-_ERASE_MSG = ("should not erase grad buffer: with release_gradients off the grads are views "
-              "of a fused buffer that must persist; use zero_grad(set_to_none=False), or turn "
-              "release on (pp_configs / sharding_configs.release_gradients)")
+_ERASE_MSG = ("should not erase grad buffer: release off, the grads are views of a persistent "
+              "fused buffer; use zero_grad(set_to_none=False) or turn release_gradients on")
 
 
 class _Sharding(_Wrapper):
-    """What v1 and v2 share: groups and flags, the agreement that opens a build and a step,
-    the step's state (one phase, the grads written since the last clear), clipping,
-    per-rank checkpoints, sharding's own comm overlap."""
+    """What v1 and v2 share: flags, the agreements opening a build and a step, the step's state
+    (a phase, the grads written since the last clear), clipping, per-rank checkpoints."""
 
     def _setup(self, optimizer, hcg, strategy, grad_clip):
         pp_config = strategy.hybrid_configs["pp_configs"]
@@ -282,9 +266,8 @@ class _Sharding(_Wrapper):
         self._init_beyond_paddle(optimizer, strategy, grad_clip)  # skippable: see there
 
     def _init_beyond_paddle(self, optimizer, strategy, grad_clip):
-        """Beyond Paddle: the current device and the build agreed on every rank, the same start
-        params (broadcast, as DDP), the own overlap's config, the step's state. Sets only its
-        own attributes (the seed's flags and buffers stay as `_setup` made them)."""
+        """Beyond Paddle: the device and the build agreed, the params broadcast (as DDP), the own
+        overlap's config, the step's state. Sets only its own attributes."""
         pp_config = strategy.hybrid_configs["pp_configs"]
         sharding_config = strategy.hybrid_configs["sharding_configs"]
         self._pp_flag = pp_config.release_gradients  # what the pipeline's buffers follow
@@ -306,9 +289,7 @@ class _Sharding(_Wrapper):
         return self._pp_flag if self.pp_overlap else self.pp_release_grads
 
     @property
-    def comm_buffers(self):
-        """The `FusedCommBuffer`s this optimizer reduces (a new list): its own (v2, or with
-        comm_overlap) or, for v2 under pipeline overlap, the pipeline's."""
+    def comm_buffers(self):  # its own FusedCommBuffers, or (v2 under pp overlap) the pipeline's
         return list(self._own_buffers())
 
     def _flag_groups(self):
@@ -322,8 +303,7 @@ class _Sharding(_Wrapper):
         return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def _agree_on_setup(self, optimizer, strategy, grad_clip):
-        """Every rank of the sharding (and dp) group builds alike: class, config, torch
-        optimizer and hyper-parameters, grad_clip, params, a template without state."""
+        """Every rank builds alike: class, config, torch optimizer, hyper-parameters, params."""
         sc, pc = strategy.hybrid_configs["sharding_configs"], strategy.hybrid_configs["pp_configs"]
         fields = ("split_param", "comm_overlap", "accumulate_steps", "release_gradients",
                   "free_grads_in_comm", "comm_buffer_size_MB")
@@ -350,8 +330,7 @@ class _Sharding(_Wrapper):
 
     @torch.no_grad()
     def _broadcast_params(self):
-        """The same start on every rank (as DDP, and Paddle's `fleet.distributed_model`): each
-        param from sharding rank 0, then from dp rank 0."""
+        """Each param from sharding rank 0, then dp rank 0 (DDP, `fleet.distributed_model`)."""
         for group in self._flag_groups()[self._nranks == 1:]:
             for work in [dist.broadcast(p.detach(), src=global_rank(group, 0), group=group,
                                         async_op=True) for p in self._parameter_list]:
@@ -360,9 +339,8 @@ class _Sharding(_Wrapper):
     # ---- a step's state: one phase, and the grads written since the last clear ----
 
     def _snapshot(self):
-        """At a clear: forget what was written; note each param's grad object, so that one
-        assigned by hand later counts too (not versions: a buffer's views share one); hook
-        every trainable param (unfrozen since, too) to report its backward."""
+        """At a clear: forget what was written, note each grad object (one assigned by hand later
+        counts), hook every trainable param (unfrozen since, too) to report its backward."""
         self._written.clear()
         self._as_cleared = {id(p): id(g) for p in self._parameter_list
                             if (g := _grad(p)) is not None}
@@ -379,9 +357,8 @@ class _Sharding(_Wrapper):
                 for p in self._parameter_list]
 
     def _agree_at_step(self, entry=None, rules=()):
-        """Open a step on every rank alike (one all-reduce): misuse, the way it was opened and
-        the hyper-parameters; a param is stepped iff some rank wrote its grad (the others give
-        zeros, as DDP). `entry`: clip_grad_norm_'s arguments, None for step()."""
+        """Open a step alike everywhere (one all-reduce): misuse, the entry (clip_grad_norm_'s
+        arguments, None), the hyper-parameters; a param steps iff some rank wrote its grad."""
         if self._phase in ("reduced", "stepped"):
             raise RuntimeError("step() ran again without the optimizer's clear_grad() / "
                                "zero_grad() in between; clear the grads after each step")
@@ -391,8 +368,7 @@ class _Sharding(_Wrapper):
         dropped = self._phase == "dropped" and not any(has)
         problems = list(rules or _clip_rules()) + self._misuse_rules() + [(
             "did zero_grad() run between backward and step() on some rank, with no backward "
-            "after it? Its grads were dropped and would count as zeros in the mean. Clear grads "
-            "after step(), or run backward again on every rank",
+            "after it? Its dropped grads would count as zeros; clear grads after step()",
             "its grads were dropped after backward" if dropped else None)]
         opened = (0, None, None, None) if entry is None else (1, *(
             v if isinstance(v, (int, float)) else None for v in entry))
@@ -404,10 +380,8 @@ class _Sharding(_Wrapper):
                 "opt.clip_grad_norm_(...) with the same arguments or all with step() alone, and "
                 "step with the same hyper-parameters")
             if any(p.requires_grad for p in self._parameter_list) and not any(anywhere):
-                raise ValueError("no param has a grad on any rank at step(): did zero_grad() "
-                                 "run between backward and step()? Or were the params replaced"
-                                 " after the optimizer was built (load_state_dict(..., "
-                                 "assign=True))? Build it after")
+                raise ValueError("no param has a grad on any rank at step(): zero_grad() before "
+                                 "step()? params replaced after building (assign=True)?")
         except ValueError:
             self._phase = "failed"  # the buckets stay for a retried step
             raise
@@ -415,18 +389,18 @@ class _Sharding(_Wrapper):
         return anywhere
 
     def _hyper_now(self):
-        """The hyper-parameters as the steps read them, in the structure they had at the last
-        clear (a key added by hand on one rank only cannot change the agreement's width)."""
+        """The hyper-parameters now, in the structure of the last clear (fixed width)."""
         now = dict(hyper_parameters(self.param_groups))
-        return [(name, _as_wide(now.get(name), value)) for name, value in self._hyper_shape]
+        return [(name, now.get(name) if type(now.get(name)) is type(v) and (
+            not isinstance(v, tuple) or len(now[name]) == len(v)) else _none_like(v))
+            for name, v in self._hyper_shape]
 
     def _misuse_rules(self):
         return []
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Agree -> reduce -> dp all-reduce -> clip -> step -> broadcast / all-gather; after
-        `clip_grad_norm_` (grads reduced already) it starts at the step."""
+        """Agree, reduce, dp all-reduce, clip, step, broadcast (after clip_grad_norm_: the step)."""
         self._check_step_args(closure)
         if self._phase != "reduced":
             self._first_half()
@@ -445,10 +419,9 @@ class _Sharding(_Wrapper):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        """torch's `clip_grad_norm_`, on the optimizer (as FSDP's), between backward and step()
-        on every rank: step()'s first half runs now (agree, reduce, dp all-reduce), then what
-        each rank steps is clipped by the global L2 norm (fp32, each element once) with
-        torch's coefficient; returns the norm, equal on every rank. norm_type: 2 only."""
+        """torch's `clip_grad_norm_` on the optimizer (as FSDP's), on every rank before step():
+        step()'s first half runs now, then the reduced grads are clipped by the global L2 norm
+        (fp32, each element once, torch's coefficient); returns it. norm_type: 2 only."""
         if self._phase == "reduced":
             raise RuntimeError("clip_grad_norm_ ran twice before step(); call it once per step, "
                                "between backward and step()")
@@ -463,18 +436,16 @@ class _Sharding(_Wrapper):
         return norm
 
     def _settle_for_clear(self):
-        """Beyond Paddle, first in `clear_grad`: with comm_overlap and no step since the last
-        clear, agree through the store whether some rank has collectives in flight (a rank
-        that skipped its backward cannot know); if so every rank issues the rest of its
-        buckets, waits and resets them. Returns the error to raise once cleared, or None."""
+        """Beyond Paddle: with comm_overlap and no step since the last clear, agree through the
+        store whether some rank has collectives in flight (one that skipped its backward could
+        not know); if so every rank settles its buckets. Returns the error to raise, or None."""
         error = None
         if self.comm_overlap and self._phase != "stepped":
             most = self._scheduler.passes()[0]
             try:
                 agree(self._flag_groups(), [(
-                    "zero_grad() ran between backward and step() while sharding_configs."
-                    "comm_overlap's collectives were in flight: every rank waited for them and "
-                    "cleared this step, nothing was stepped. Clear grads after step(); go on",
+                    "zero_grad() ran between backward and step() with comm_overlap's collectives"
+                    " in flight: every rank settled and cleared this step; go on",
                     f"{most} backward pass(es)" if self._scheduler.in_flight() else None)],
                     [("backward passes this step", most)], via_store=True)
             except ValueError as caught:
@@ -491,14 +462,12 @@ class _Sharding(_Wrapper):
         if error is not None:
             raise error
 
-    def _wait_own_buffers(self):
-        """comm_overlap, at step(): the hooks issued the collectives; agree, wait, scale."""
+    def _wait_own_buffers(self):  # comm_overlap: the hooks issued them; agree, wait, scale
         self._scheduler.wait_and_agree(self._flag_groups(), self._flags_device())
 
     # ---- per-rank checkpoints (consolidated ones: relgrad_extras/checkpoint.py) ----
 
     def _local_state_dict(self):
-        """This rank's shard of the state, tagged with the layout it fits (`LAYOUT_KEY`)."""
         if getattr(self, "_pending_state", None) is not None:
             return extras("checkpoint", "state_dict() of a pending state").pending_full(self)
         return {**super()._local_state_dict(), LAYOUT_KEY: self._layout()}
@@ -509,14 +478,12 @@ class _Sharding(_Wrapper):
                 "shapes": [tuple(p.shape) for p in self._parameter_list], **self._ownership()}
 
     def consolidate_state_dict(self, to=0):
-        """The whole state in torch's one-process format on sharding rank `to` (None on the
-        others), as torch ZeRO's: `relgrad_extras/checkpoint.py`. Collective."""
+        """torch ZeRO's: the whole state, one process's format, on rank `to` (relgrad_extras)."""
         return extras("checkpoint", "consolidate_state_dict").consolidate(self, to)
 
     def load_state_dict(self, state_dict):
-        """Load this rank's `state_dict()` (same layout only), or a consolidated / plain torch
-        one (re-sharded by `relgrad_extras/checkpoint.py`). Collective over the sharding (and
-        dp) group: a wrong dict on any rank raises the same ValueError on every rank."""
+        """This rank's `state_dict()` (same layout only) or a consolidated / plain torch one
+        (re-sharded by relgrad_extras); collective: a wrong dict anywhere raises everywhere."""
         if not isinstance(state_dict, dict):  # None off rank `to`: raise on every rank
             self._load_local_state_dict(state_dict)
         super().load_state_dict(state_dict)  # torch's hooks, then _load_local_state_dict
@@ -555,11 +522,8 @@ class _Sharding(_Wrapper):
         return None
 
 
-def _as_wide(value, like):
-    """`value` in the width of `like` (a number or a tuple): None where it does not fit."""
-    width = len(like) if isinstance(like, tuple) else 0
-    fits = isinstance(value, tuple) == bool(width) and (not width or len(value) == width)
-    return value if fits else ((None,) * width if width else None)
+def _none_like(value):
+    return (None,) * len(value) if isinstance(value, tuple) else None
 
 
 def _remove_hooks(handles):
@@ -568,8 +532,7 @@ def _remove_hooks(handles):
 
 
 def _check_grad_clip(grad_clip):
-    """None, or a Paddle-style clip (`clip_norm` and `grad_clip(params_grads, groups, device)`,
-    e.g. relgrad_extras.grad_clip.ClipGradByGlobalNorm); TypeError otherwise."""
+    """None, or a Paddle-style clip (`clip_norm`, `grad_clip(params_grads, groups, device)`)."""
     if grad_clip is not None and not (callable(grad_clip) and hasattr(grad_clip, "clip_norm")):
         raise TypeError(f"grad_clip must be None or a Paddle-style clip such as relgrad_extras."
                         f"grad_clip.ClipGradByGlobalNorm, got {type(grad_clip).__name__}; for "
@@ -586,12 +549,10 @@ def _comm_buffer_bytes(sharding_config, default_mb=256):
 class DygraphShardingOptimizer(_Sharding):
     """Sharding v1: whole params, greedy owners, reduce -> step owned -> broadcast.
 
-    Args: `optimizer` (a torch optimizer over the model or this stage: a template); `hcg`
-    (e.g. `relgrad.HybridCommunicateGroup`: the sharding, dp and, for a clip, pipe groups);
-    `strategy` (e.g. `relgrad.HybridStrategy`); `grad_clip` (None or a Paddle-style clip,
-    run in `step()` on the owned, reduced grads). `_param2rank`: param -> owner. With
-    `sharding_configs.comm_overlap` (no pipeline) REDUCE buffers per owner are hooked to
-    backward; else `step()` reduces grad by grad. Errors: docs/contract.md.
+    Args: `optimizer` (a torch optimizer: a template), `hcg` (`relgrad.HybridCommunicateGroup`),
+    `strategy` (`relgrad.HybridStrategy`), `grad_clip` (a Paddle-style clip, run in `step()` on
+    the owned, reduced grads). `_param2rank`: param -> owner. With comm_overlap (no pipeline)
+    REDUCE buffers per owner are hooked to backward; else `step()` reduces grad by grad.
     """
 
     _is_v2 = False
@@ -613,8 +574,7 @@ class DygraphShardingOptimizer(_Sharding):
         return self._comm_buffers
 
     def _partition_parameters(self, params=None):
-        """Largest first, each to the rank with the fewest elements so far (ties: lowest):
-        develop's `FLAGS_sharding_sort_parameters` (uncertain at the seed commit)."""
+        """Largest first, to the least loaded rank (develop's FLAGS_sharding_sort_parameters)."""
         sizes, param2rank = [0] * self._nranks, {}
         for p, rank in getattr(self, "_param2rank", {}).items():  # add_param_group: go on
             sizes[rank] += p.numel()
@@ -627,8 +587,7 @@ class DygraphShardingOptimizer(_Sharding):
         return param2rank
 
     def _build_owner_buffers(self, acc_steps, group_size):
-        """comm_overlap: REDUCE buffers per owner, hooked to backward (differs from Paddle's v1
-        tensor fusion, which also fuses the params: fuse_param, not allowed with release)."""
+        """comm_overlap: REDUCE buffers per owner (Paddle's v1 fusion also fuses the params)."""
         for rank in range(self._nranks):
             params = [p for p in self._parameter_list
                       if p.requires_grad and self._param2rank[p] == rank]
@@ -642,8 +601,7 @@ class DygraphShardingOptimizer(_Sharding):
 
     @torch.no_grad()
     def reduce_gradients(self, parameter_list, hcg):
-        """Reduce each grad (scaled by 1/nranks) to its owner over the sharding group; nothing
-        under the pipeline's overlap (Paddle's new_frl returns early there too)."""
+        """Each grad (1/nranks) to its owner; nothing under pipeline overlap (as new_frl)."""
         if self.pp_overlap:
             return
         if self.comm_overlap:  # the hooks issued the reduces during backward
@@ -662,8 +620,7 @@ class DygraphShardingOptimizer(_Sharding):
                 clear_grad_func(p, set_to_zero=False)
 
     def add_param_group(self, param_group):
-        """torch's `add_param_group`: the new params get owners, this rank's inner optimizer a
-        group of those it owns. Call it alike on every rank; refused under a comm overlap."""
+        """torch's: the new params get owners (call it alike on every rank; not under overlap)."""
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         if self.pp_overlap or self.comm_overlap:
@@ -701,9 +658,8 @@ class DygraphShardingOptimizer(_Sharding):
 
     @torch.no_grad()
     def clear_grad(self, set_to_zero=True):
-        """Zero every grad / main_grad in place, or drop them; with release and comm_overlap,
-        free its own buffers. Beyond Paddle's v1: dropping grads a persistent fused buffer
-        holds raises ValueError, as v2 does."""
+        """Zero or drop every grad, then free its own buffers (release, comm_overlap). Beyond
+        Paddle's v1: dropping grads a persistent buffer holds raises, as v2's seed does."""
         if not set_to_zero and (self.pp_overlap or self.comm_overlap) and not (
                 self._buffers_released):
             raise ValueError(_ERASE_MSG)
@@ -732,12 +688,10 @@ _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.opti
 class DygraphShardingOptimizerV2(_Sharding):
     """Sharding v2 (split_param): flat shards, reduce-scatter -> step slices -> all-gather.
 
-    Same args as v1. Each model param becomes a view of a flat padded param buffer; the inner
-    optimizer steps `_slice_params[param]`, a 1-D view of this rank's piece. The REDUCE_SCATTER
-    buffers are its own (`_build_comm_buffers`) or, under pp_configs.sharding_comm_overlap,
-    the pipeline's (found through `param.comm_buffer_ref`). Without hooks backward accumulates
-    into the buffer's views (release off) or `reduce_gradients` copies the grads in at step()
-    (on); `sharding_configs.comm_overlap` hooks the buffers to backward. Errors: contract.md.
+    Same args as v1. Each param becomes a view of a flat padded buffer; the inner optimizer
+    steps `_slice_params[param]`, this rank's 1-D piece. The REDUCE_SCATTER buffers are its own
+    or, under pp_configs.sharding_comm_overlap, the pipeline's (`param.comm_buffer_ref`).
+    Without hooks, `reduce_gradients` copies the grads in at step() (release on).
     """
 
     _is_v2 = True
@@ -783,9 +737,7 @@ class DygraphShardingOptimizerV2(_Sharding):
 
     @torch.no_grad()
     def clear_grad(self, set_to_zero=True):
-        """Zero or drop every grad; then, with release and no pipeline overlap, free buffers.
-        Beyond Paddle: slice grads are dropped too (a stale view would keep the buffer alive);
-        own-overlap collectives in flight are settled first and raised after, on every rank."""
+        """Zero or drop every grad; with release and no pipeline overlap, free the buffers."""
         # Seed hunk: the "should not erase grad buffer" assert holds only with release off
         if not self.pp_release_grads and not set_to_zero:
             raise ValueError(_ERASE_MSG)
@@ -805,8 +757,7 @@ class DygraphShardingOptimizerV2(_Sharding):
         self._finish_clear(error)
 
     def _check_pipeline_buffers_kept(self, set_to_zero):
-        """[later, PR #64517] Under pipeline overlap the buffers are the pipeline's, built with
-        the PP flag alone: with it off they persist, whatever the sharding-side flag says."""
+        """[later, PR #64517] The pipeline's buffers follow the PP flag alone: off, they persist."""
         if self.pp_overlap and not self._pp_flag and not set_to_zero:
             raise ValueError(_ERASE_MSG)
 
@@ -829,8 +780,7 @@ class DygraphShardingOptimizerV2(_Sharding):
 
     @torch.no_grad()
     def reduce_gradients(self, parameter_list, hcg):
-        """Reduce-scatter every buffer and scale by 1/nranks (nothing under pipeline overlap:
-        the pipeline's hooks did). With release and no buffer yet, copy every grad in first."""
+        """Reduce-scatter and scale every buffer (nothing under pipeline overlap: its hooks did)."""
         if self.pp_overlap:
             return
         if self.comm_overlap:  # [later] the hooks issued the reduce-scatters
@@ -846,8 +796,7 @@ class DygraphShardingOptimizerV2(_Sharding):
 
     @torch.no_grad()
     def _relink_grads(self, comm_buffer):
-        """Beyond Paddle: release off, a grad rebound since it was linked (model.zero_grad(),
-        `p.grad = t`) is copied into its slot (zeros for None) and re-pointed."""
+        """Beyond Paddle: release off, a grad rebound (model.zero_grad()) goes back to its slot."""
         for param in comm_buffer.params if not self.pp_release_grads else ():
             slot = comm_buffer._sharding_param_grad_view[param]._slice_grad_from_buffer()
             densify_grads([param])
@@ -887,8 +836,7 @@ class DygraphShardingOptimizerV2(_Sharding):
             comm_buffer.sync_params()
 
     def _misuse_rules(self):
-        """Beyond Paddle: state changed behind v2's back since it was built. A param that only
-        stopped being a view of its slot (same dtype and device) is put back, exactly."""
+        """Beyond Paddle: what changed behind v2's back (a param only re-homed is put back)."""
         moved, main_grad, in_buffer = [], [], set()
         for buf in self._comm_buffer_list:
             storage = buf.param_storage

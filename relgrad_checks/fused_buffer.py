@@ -280,7 +280,7 @@ def _check_misuse(rank, world):
     buf = FusedCommBuffer(0, [p], None, 2, act=HOOK_ACTION.ALL_REDUCE, release_grads=True)
     p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
     register_main_grad_hooks([p])
-    with pytest.raises(ValueError, match="must be registered before the buffer's hooks"):
+    with pytest.raises(ValueError, match="register_main_grad_hooks before the buffer's hooks"):
         p.sum().backward()
     # fuse_param (without release) moves params into one flat buffer
     fused = _new_params([(4,), (3,)])
