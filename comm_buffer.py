@@ -28,12 +28,12 @@ import torch.distributed as dist
 ALIGNMENT_BYTES = 256  # Paddle's alignment["gpu"]: each slot starts on a 256-byte boundary
 
 
-def _grad_of(param, use_main_grad):
-    return param.main_grad if use_main_grad else param.grad
+def _grad_of(param, use_main_grad): return param.main_grad if use_main_grad else param.grad
+def _set_grad(param, use_main_grad, value): setattr(param, _GRAD[use_main_grad], value)
+def _addr(grad): return None if grad is None else grad.data_ptr()
 
 
-def _set_grad(param, use_main_grad, value):
-    setattr(param, "main_grad" if use_main_grad else "grad", value)
+_GRAD = {True: "main_grad", False: "grad"}
 
 
 def _share_param_buffer(param, param_buffer, index):  # the param becomes a view of its range
@@ -375,6 +375,10 @@ def _store():  # the default group's store, a side channel beside the collective
 
 # ---- The fused buffer: check in -> communicate -> wait and scale -> release ----
 
+IN_FLIGHT_RULE = ("a grad changed in place while its bucket's collective was in flight (a clip or "
+                  "grad.mul_() before the wait): change grads after scale_grads(); sharding "
+                  "optimizers: opt.clip_grad_norm_(max_norm); torch's pipeline schedules: "
+                  "scale_grads=False. This step is lost: clear it")
 _ADDRESS_MSG = ("The address of the grad/main_grad of {name} changed during training: it must "
                 "stay its slot's view; change grads in place (grad.mul_(s)), or release on")
 
@@ -422,6 +426,22 @@ class FusedCommBuffer:
                 params[0].comm_buffer_ref = weakref.ref(self)  # how v2 finds the pipeline's
         self._grads_to_addr = {} if release_grads else {  # Paddle's _record_addr
             p: _addr(_grad_of(p, self.use_main_grad)) for p in params}
+        self._agree_on_layout()  # beyond Paddle: every rank holds this bucket (and, dp: params)
+
+    @torch.no_grad()
+    def _agree_on_layout(self):
+        """Every rank of comm_group built this bucket alike (else a collective would pair
+        other buckets: an abort); an ALL_REDUCE bucket's params then start from the group's
+        first rank, as DDP broadcasts them (module buffers, e.g. BatchNorm's: broadcast them)."""
+        agree([self._comm_group], same=[("the bucket (params, elements, bytes per element)", (
+            len(self._params), self.buffer_size, self._dtype.itemsize))],
+            device=self._params[0].device, title=f"bucket {self._id}: every rank of comm_group "
+            "must build this bucket: pass the group that holds the same params (the dp group "
+            "of this pipeline stage, e.g. hcg.get_data_parallel_group())")
+        if self._act == HOOK_ACTION.ALL_REDUCE:
+            for work in [dist.broadcast(p.detach(), global_rank(self._comm_group, 0), async_op=True,
+                                        group=self._comm_group) for p in self._params]:
+                work.wait()
 
     params = property(lambda self: self._params)  # in buffer order
 
@@ -565,13 +585,23 @@ class FusedCommBuffer:
         return buffer[rank * shard : (rank + 1) * shard]
 
     @torch.no_grad()
-    def scale_grads(self):
+    def scale_grads(self, agree_in_flight=True):
         """Wait for the collective, scale by 1/nranks what this rank reads (Paddle: the whole
-        buffer), reset the check-ins. RuntimeError if none was issued."""
+        buffer), reset the check-ins. Beyond Paddle, `agree_in_flight`: every rank of comm_group
+        raises if some grad changed while in flight (the optimizers agree on it themselves)."""
         if self._task is None:
             raise RuntimeError(f"bucket {self._id}: no collective in flight, nothing to wait for:"
                                f" {self._check_in_status()} (a param without grads never checks"
                                " in; or scale_grads() ran already)")
+        try:
+            if agree_in_flight:
+                agree([self._comm_group], [(IN_FLIGHT_RULE, "changed in flight" if
+                                            self._changed_in_flight() else None)],
+                      device=self._params[0].device)
+        except ValueError:
+            self._task.wait()
+            self._reset_params_checked_in()
+            raise
         self._complete_comm()
         self._reset_params_checked_in()
 
@@ -602,10 +632,6 @@ class FusedCommBuffer:
         for work in [dist.broadcast(full[r * shard : (r + 1) * shard], global_rank(group, r),
                                     group=group, async_op=True) for r in range(self._nranks)]:
             work.wait()
-
-
-def _addr(grad):
-    return None if grad is None else grad.data_ptr()
 
 
 @torch.no_grad()

@@ -483,14 +483,11 @@ class PipelineParallel(nn.Module):
         nccl = dist.get_backend(self._hcg.get_pipe_parallel_group()) == "nccl"
         return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-    def _if_not_last(self, out):
-        return None if self.stage_id == self.num_stages - 1 else out
+    def _if_not_last(self, out): return None if self.stage_id == self.num_stages - 1 else out
+    def _send_forward(self, out): self._p2p(send_next=self._if_not_last(out))
 
     def _recv_forward(self, first_stage_input):
         return self._p2p(recv_prev=True, fallback=first_stage_input)
-
-    def _send_forward(self, out):
-        self._p2p(send_next=self._if_not_last(out))
 
     def _p2p(self, send_next=None, send_prev=None, recv_next=None, recv_prev=False,
              fallback=None):

@@ -169,39 +169,18 @@ class HybridCommunicateGroup:
                 if rank in ranks:
                     self._groups.append((group, ranks))
 
-    # Paddle's getters: the ranks, sizes and groups along dp (axis 0), pipe (1), sharding (2).
-    def get_global_rank(self):
-        return self._rank
-
-    def get_data_parallel_rank(self):
-        return self._coord[0]
-
-    def get_data_parallel_world_size(self):
-        return len(self._groups[0][1])
-
-    def get_data_parallel_group(self):
-        return self._groups[0][0]
-
-    def get_stage_id(self):
-        return self._coord[1]
-
-    def get_pipe_parallel_world_size(self):
-        return len(self._groups[1][1])
-
-    def get_pipe_parallel_group(self):
-        return self._groups[1][0]
-
-    def get_rank_from_stage(self, stage_id):  # global rank of `stage_id` in this rank's pipe
-        return self._groups[1][1][stage_id]
-
-    def get_sharding_parallel_rank(self):
-        return self._coord[2]
-
-    def get_sharding_parallel_world_size(self):
-        return len(self._groups[2][1])
-
-    def get_sharding_parallel_group(self):
-        return self._groups[2][0]
+    # Paddle's getters: ranks, sizes and groups along dp (axis 0), pipe (1), sharding (2).
+    def get_global_rank(self): return self._rank
+    def get_data_parallel_rank(self): return self._coord[0]
+    def get_data_parallel_world_size(self): return len(self._groups[0][1])
+    def get_data_parallel_group(self): return self._groups[0][0]
+    def get_stage_id(self): return self._coord[1]
+    def get_pipe_parallel_world_size(self): return len(self._groups[1][1])
+    def get_pipe_parallel_group(self): return self._groups[1][0]
+    def get_rank_from_stage(self, stage_id): return self._groups[1][1][stage_id]  # global
+    def get_sharding_parallel_rank(self): return self._coord[2]
+    def get_sharding_parallel_world_size(self): return len(self._groups[2][1])
+    def get_sharding_parallel_group(self): return self._groups[2][0]
 
 
 # ---- process groups on any backend: timeouts, the current device ----
@@ -294,8 +273,9 @@ class _Wrapper(torch.optim.Optimizer):
                              "fp32 main grads, which need no loss scaling")
         getattr(self._inner_opt, "check_template", lambda: None)()
 
-    def zero_grad(self, set_to_none=True):
-        self.clear_grad(set_to_zero=not set_to_none)
+    def zero_grad(self, set_to_none=True): self.clear_grad(set_to_zero=not set_to_none)
+    def _local_state_dict(self): return self._inner_opt.state_dict()
+    def _load_local_state_dict(self, state_dict): self._inner_opt.load_state_dict(state_dict)
 
     def add_param_group(self, param_group):
         raise ValueError(f"{type(self).__name__} cannot add a param group after it was built; "
@@ -316,12 +296,6 @@ class _Wrapper(torch.optim.Optimizer):
         self._load_local_state_dict(state_dict)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
-
-    def _local_state_dict(self):
-        return self._inner_opt.state_dict()
-
-    def _load_local_state_dict(self, state_dict):
-        self._inner_opt.load_state_dict(state_dict)
 
 
 def _hyper(group):

@@ -21,7 +21,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _grad_of, _set_grad, _share_param_buffer,
+from comm_buffer import (HOOK_ACTION, IN_FLIGHT_RULE, FusedCommBuffer, _grad_of, _set_grad, _share_param_buffer,
                          _weak_hook, agree, assign_group_by_size, densify_grads, global_rank,
                          main_grad_or_grad as _grad, sums_in_16_bits)
 from relgrad import (MixPrecisionOptimizer, _hyper, _template_state_rule, _Wrapper, carries_state,
@@ -175,11 +175,9 @@ class BucketScheduler:
             raise
         self.reset()
         for buffer in self.buffers:
-            buffer.scale_grads()
+            buffer.scale_grads(agree_in_flight=False)  # agreed above
 
 
-IN_FLIGHT_RULE = ("a grad changed in place while its bucket's collective was in flight (clip or "
-                  "grad.mul_() before step()): use opt.clip_grad_norm_(max_norm); clear this step")
 INCOMPLETE_RULE = ("a bucket was not complete after accumulate_steps={acc} backward passes: each "
                    "trainable param needs a grad in each, on every rank; clear this step")
 
@@ -791,8 +789,9 @@ class DygraphShardingOptimizerV2(_Sharding):
             if self.pp_release_grads and comm_buffer.grad_storage is None:
                 for param in comm_buffer.params:
                     comm_buffer._copy_grad_to_buffer(param)
+
             comm_buffer._comm_grads()
-            comm_buffer.scale_grads()
+            comm_buffer.scale_grads(agree_in_flight=False)  # nothing ran while in flight
 
     @torch.no_grad()
     def _relink_grads(self, comm_buffer):

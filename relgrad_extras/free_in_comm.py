@@ -112,11 +112,11 @@ class FreeInCommBuffer(FusedCommBuffer):
         if self._comm_queue is not None:
             self._comm_queue.issued(self)
 
-    def scale_grads(self):
+    def scale_grads(self, agree_in_flight=True):
         if self._task is _DONE:  # completed (and freed) by the queue during backward
             self._reset_params_checked_in()
         else:
-            super().scale_grads()
+            super().scale_grads(agree_in_flight)
 
     def _changed_in_flight(self):
         return self._task is not _DONE and super()._changed_in_flight()
