@@ -222,28 +222,6 @@ def _weak_hook(call, *owners):
     return hook
 
 
-def register_main_grad_hooks(params):
-    """An fp32 `param.main_grad` beside low-precision params (Paddle's MixPrecisionLayer): each
-    grad is added into it, then dropped. Register before the buffer hooks (torch runs them in
-    order). Returns the hook handles."""
-    handles = []
-    for p in params:
-        if p.requires_grad:
-            if not hasattr(p, "main_grad"):
-                p.main_grad = None
-            handles.append(p.register_post_accumulate_grad_hook(_update_main_grad))
-    return handles
-
-
-@torch.no_grad()
-def _update_main_grad(param):
-    if param.main_grad is None:
-        param.main_grad = param.grad.float()
-    else:
-        param.main_grad.add_(param.grad)  # fp32 += bf16 is computed in fp32
-    param.grad = None
-
-
 # ---- Agreeing across ranks: one small all-reduce; details only when something is flagged ----
 
 _NONE = -2 ** 63  # "no value here": the identity of MAX
@@ -375,8 +353,8 @@ def _store():  # the default group's store, a side channel beside the collective
 
 # ---- The fused buffer: check in -> communicate -> wait and scale -> release ----
 
-IN_FLIGHT_RULE = ("a grad changed in place while its bucket's collective was in flight (a clip or "
-                  "grad.mul_() before the wait): change grads after scale_grads(); sharding "
+IN_FLIGHT_RULE = ("a grad changed in place while its bucket's collective was in flight (a clip "
+                  "or grad.mul_() before the wait): change grads after scale_grads(); sharding "
                   "optimizers: opt.clip_grad_norm_(max_norm); torch's pipeline schedules: "
                   "scale_grads=False. This step is lost: clear it")
 _ADDRESS_MSG = ("The address of the grad/main_grad of {name} changed during training: it must "

@@ -234,6 +234,28 @@ def agree_on_devices(problem, groups, what):
 
 # ---- the torch optimizer surface and fp32 masters (Paddle's mix_precision_utils.py) ----
 
+def register_main_grad_hooks(params):
+    """An fp32 `param.main_grad` beside low-precision params (Paddle's MixPrecisionLayer): each
+    grad is added into it, then dropped. Register before the buffer hooks (torch runs them in
+    order). Returns the hook handles."""
+    handles = []
+    for p in params:
+        if p.requires_grad:
+            if not hasattr(p, "main_grad"):
+                p.main_grad = None
+            handles.append(p.register_post_accumulate_grad_hook(_update_main_grad))
+    return handles
+
+
+@torch.no_grad()
+def _update_main_grad(param):
+    if param.main_grad is None:
+        param.main_grad = param.grad.float()
+    else:
+        param.main_grad.add_(param.grad)  # fp32 += bf16 is computed in fp32
+    param.grad = None
+
+
 def clear_grad_func(p, set_to_zero):
     """Zero `p`'s main_grad / grad in place, or drop them (Paddle's clear_grad_func)."""
     for name in ("main_grad", "grad"):

@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from comm_buffer import HOOK_ACTION, register_main_grad_hooks
+from comm_buffer import HOOK_ACTION
+from relgrad import register_main_grad_hooks
 from relgrad import DygraphShardingConfig, HybridStrategy, PpConfig
 from sharding import DygraphShardingOptimizerV2, MixPrecisionOptimizer
 

@@ -262,7 +262,7 @@ def stage_refuses_to_start(rank, world):
     """pp 2 x sharding 2, v2, pipeline sharding overlap: stage 1 alone registers main-grad
     hooks on one of its two params, so building its buffer fails there. Returns what
     train_batch raised."""
-    from comm_buffer import register_main_grad_hooks
+    from relgrad import register_main_grad_hooks
     st = _pp_strategy(2, 2, 2, split_param=True, sharding_comm_overlap=True)
     hcg = HybridCommunicateGroup(st)
     model = PipelineParallel([Scale(), Scale(), Scale(), Scale()], hcg, st, _mean_loss)

@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from comm_buffer import HOOK_ACTION, FusedCommBuffer, bw_hook_func, register_main_grad_hooks
+from comm_buffer import HOOK_ACTION, FusedCommBuffer, bw_hook_func
+from relgrad import register_main_grad_hooks
 from relgrad_checks.common import (ACTIONS, _assert_bitwise, _backward_int_grads, _new_params,
                                    _released, _slot)
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import comm_buffer
-from comm_buffer import register_main_grad_hooks
+from relgrad import register_main_grad_hooks
 from relgrad import agree_on_devices, group_timeout
 from pipeline import PipelineParallel, PipelineStageTimeout
 from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from comm_buffer import register_main_grad_hooks
+from relgrad import register_main_grad_hooks
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
 from relgrad_checks.common import (_for, OPTIMIZERS, _assert_bitwise, _assert_close_each,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from comm_buffer import register_main_grad_hooks
+from relgrad import register_main_grad_hooks
 
 REPO = Path(__file__).resolve().parent.parent
 
