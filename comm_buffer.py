@@ -250,19 +250,19 @@ def agree(groups, problems=(), same=(), flags=(), device=None, timeout=None, via
     of `same` as `(w, ~w)` (max and ~min: equal iff the values are). Only when something is
     flagged are the details gathered: every rank raises the same ValueError, naming the ranks.
     """
-    mine = (dist.get_rank(), [d for _, d in problems], [v for _, v in same])
+    mine = (dist.get_rank(), [d for _, d in problems], dict(same))
     if via_store:
         seen = _gather(mine, groups, via_store=True)
         if any(d is not None for _, ds, _ in seen for d in ds) or len(
                 {repr(vs) for _, _, vs in seen}) > 1:
-            raise ValueError(_disagreement(problems, same, seen, title))
+            raise ValueError(_disagreement(problems, seen, title))
         return []
     body = [int(d is not None) for _, d in problems] + [int(bool(f)) for f in flags]
     body += [x for _, v in same for w in _words(v) for x in ((w, w) if w == _NONE else (w, ~w))]
     got = _all_max(body, groups, device, timeout)
     n, pairs = len(problems), got[len(problems) + len(flags):]
     if any(got[:n]) or any(a != b and a != ~b for a, b in zip(pairs[::2], pairs[1::2])):
-        raise ValueError(_disagreement(problems, same, _gather(mine, groups), title))
+        raise ValueError(_disagreement(problems, _gather(mine, groups), title))
     return [bool(f) for f in got[n : n + len(flags)]]
 
 
@@ -310,7 +310,7 @@ def _gather(obj, groups, via_store=False):
     return sorted({s[0]: s for s in seen}.values(), key=lambda s: s[0])
 
 
-def _disagreement(problems, same, seen, title=None):
+def _disagreement(problems, seen, title=None):
     """The text every rank raises: each rule seen (where, what), each value that differs."""
     texts = []
     for i, (rule, _) in enumerate(problems):
@@ -318,24 +318,17 @@ def _disagreement(problems, same, seen, title=None):
         if where:
             shown = "; ".join(f"global rank {r}: {d}" for r, d in where[:4])
             texts.append(f"{rule} (seen on {len(where)} rank(s): {shown})")
-    for i, (name, _) in enumerate(same):
+    for name in dict.fromkeys(n for _, _, vs in seen for n in vs):  # every rank's names, in order
         values = {}
         for r, _, vs in seen:
-            if vs[i] is not None:
-                values.setdefault(repr(vs[i]), []).append(r)
+            if vs.get(name) is not None:
+                values.setdefault(repr(vs[name]), []).append(r)
         if len(values) > 1:
-            a, b = list(values)[:2]
-            at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), 0)
             texts.append(f"{name} differs across ranks: " + ", ".join(
-                f"{_cut(v, at)} on global rank(s) {rs}" for v, rs in values.items()))
+                f"{v[:120]} on global rank(s) {rs}" for v, rs in values.items()))
     if title and any(" differs across ranks: " in t for t in texts):
         texts.insert(0, title)
     return "; ".join(texts)
-
-
-def _cut(text, at, width=120):  # `text`, at most `width` characters around position `at`
-    start = max(0, at - width // 3) if len(text) > width else 0
-    return ("..." if start else "") + text[start : start + width]
 
 
 def is_timeout_error(error):

@@ -218,12 +218,7 @@ class PipelineParallel(nn.Module):
         """Build the sharding buffers; lazily, since v1's owner map lives in the optimizer."""
         if self._sharding_hooks_registered:
             return
-        param2rank = None
-        if not self._sharding_split_param:
-            param2rank = getattr(optimizer, "_param2rank", None)
-            if param2rank is None:
-                raise ValueError("sharding_comm_overlap without split_param needs a sharding v1 "
-                                 "optimizer (DygraphShardingOptimizer), which owns _param2rank")
+        param2rank = None if self._sharding_split_param else optimizer._param2rank  # v1's owners
         # [later] comm_buffer_size_MB, when set (Paddle's pipeline keeps 128 MB)
         size = _comm_buffer_bytes(self._strategy.hybrid_configs["sharding_configs"], 128)
         self.fused_gradient(self._layers, self._hcg.get_sharding_parallel_group(),
@@ -258,12 +253,10 @@ class PipelineParallel(nn.Module):
         return self._schedule(data)
 
     def _agree_groups(self):  # pipe, sharding, dp: together every rank of the job
-        hcg, groups = self._hcg, [self._hcg.get_pipe_parallel_group()]
-        if hcg.get_sharding_parallel_world_size() > 1:
-            groups.append(hcg.get_sharding_parallel_group())
-        if hcg.get_data_parallel_world_size() > 1:
-            groups.append(hcg.get_data_parallel_group())
-        return groups
+        hcg = self._hcg
+        return [hcg.get_pipe_parallel_group()] + [g for n, g in (
+            (hcg.get_sharding_parallel_world_size(), hcg.get_sharding_parallel_group()),
+            (hcg.get_data_parallel_world_size(), hcg.get_data_parallel_group())) if n > 1]
 
     def _agree_at_entry(self, refused=None, data=None):
         """Beyond Paddle: before any p2p of a step, raise on every rank what some rank saw (a

@@ -319,10 +319,12 @@ class _Sharding(_Wrapper):
              ("torch optimizer", type(optimizer).__name__),
              ("grad_clip", "None" if grad_clip is None else
               (type(grad_clip).__name__, repr(getattr(grad_clip, "clip_norm", None)))),
-             ("hyper-parameters", [sorted((k, repr(v)) for k, v in _hyper(g).items())
-                                   for g in optimizer.param_groups]),
-             ("params (shape, dtype, requires_grad)", [
-                 (tuple(p.shape), str(p.dtype), p.requires_grad) for p in self._parameter_list])],
+             ("the number of params", len(self._parameter_list))] + [
+                (f"hyper-parameters: group {i} {k!r}", repr(v))
+                for i, g in enumerate(optimizer.param_groups) for k, v in _hyper(g).items()] + [
+                (f"params (shape, dtype, requires_grad) #{i}", (tuple(p.shape), str(p.dtype),
+                                                                 p.requires_grad))
+                for i, p in enumerate(self._parameter_list)],
             via_store=True, title="every rank of the sharding (and dp) group must build the "
             "optimizer alike (class, config, torch optimizer, hyper-parameters, model)")
 
