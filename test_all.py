@@ -2117,3 +2117,86 @@ def test_grad_clip_differs_raises_everywhere(ranks):
             in text, text
         assert f"(True, {norm}) on global rank(s) [{rank}]" in text, text
     assert seen[0]["agreed"] is None and seen[1]["agreed"] is None
+
+
+# ---------------------------------------------------------------- --plan: memory plans
+
+from relgrad_checks import plan as plan_checks  # noqa: E402 (this section's own checks)
+
+
+def test_plan_layout_matches_core():
+    """Check that the plan's plain-Python layout (slots, reduce-scatter shards, buckets, v1's
+    owners) is what the core's torch code lays out, in fp32 and bf16 on 1 to 8 ranks."""
+    problems = plan_checks.layout_mismatches()
+    assert not problems, "\n".join(problems)
+
+
+def test_plan_public_configs(capsys):
+    """Check that the named configs count their published params and that --plan prints the
+    Llama-2 7B plan on pp 4 x sharding 8 with the main job's phase names, release freeing
+    every rank's whole fused buffer between steps and none of its peak."""
+    from relgrad_demo import plan
+    published = {"gpt2-124m": 124_439_808, "llama2-7b": 6_738_415_616,
+                 "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192}
+    for name, total in published.items():
+        model = plan.parse_args(["--model", name])[2]
+        tied = model.layers[-1].params[model.tied] if model.tied is not None else 0
+        assert sum(sum(layer.params) for layer in model.layers) - tied == total, name
+    argv = ["--plan", "--model", "llama2-7b", "--pp", "4", "--sharding", "8",
+            "--micro-batches", "16", "--main-grad"]
+    assert cli.main(argv) == 0
+    rows = [line.split("|")[0].strip() for line in capsys.readouterr().out.splitlines()
+            if "|" in line][1:]
+    assert rows == _PHASES + ["eval (peak)", "between steps", "peak"], rows
+    _, _, model, layout = plan.parse_args(argv)
+    ranks = plan.plan(model, layout)
+    assert len(ranks) == 32 and sum(r["params"] for r in ranks[::8]) == 32 * 9 + 3
+    for r in ranks:  # fp32 main grads in slots of 256 bytes of bf16
+        assert r["parts"]["grads"] == 4 * sum(b[2] for b in r["buffers"]) > 0
+        assert r["between"]["off"] - r["between"]["on"] == r["parts"]["grads"]
+        assert r["peak"]["off"] == r["peak"]["on"]
+
+
+@pytest.mark.parametrize("args, rule", [
+    (["--model", "gpt5"], "argument --model: invalid choice: 'gpt5'"),
+    (["--model", "llama2-7b", "--hidden", "0"], "--hidden must be >= 1, got 0"),
+    (["--model", "llama2-7b", "--heads", "30"], "the heads must divide the width"),
+    (["--model", "llama2-70b", "--kv-heads", "7"], "the kv heads the heads"),
+    (["--model", "gpt2-124m", "--pp", "8", "--vpp", "2"], "chunks exceed the 14 layers"),
+    (["--model", "llama2-7b", "--pp", "4", "--vpp", "2", "--micro-batches", "6"],
+     "needs --pp >= 2 and --micro-batches a multiple of --pp"),
+    (["--model", "llama2-7b", "--sharding", "1", "--free-grads-in-comm"],
+     "it needs release and --sharding >= 2"),
+    (["--model", "llama2-7b", "--split-param", "--optimizer", "lamb"],
+     "needs an element-wise optimizer"),
+    (["--model", "llama2-7b", "--main-grad", "--dtype", "fp32"], "drop --dtype fp32"),
+    (["--heads", "8"], "does not apply to the demo LM"),
+    (["--block", "2000"], "--block must be between 1 and 1024"),
+    (["--plan-check", "--sizes", "30x4"], "d_model a multiple of 4"),
+])
+def test_plan_refuses_bad_input(capsys, monkeypatch, args, rule):
+    """Check that --plan ends in one line naming the rule, status 2, before any rank starts,
+    for a bad name or size and for a layout the pipeline or the sharding optimizers refuse."""
+    from relgrad_demo import plan
+    monkeypatch.setattr(plan, "run_job", _no_launch)  # every job of --plan starts there
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--plan"] + args)
+    stderr = capsys.readouterr().err
+    assert done.value.code == 2 and rule in stderr and stderr.count("\n") == 1, stderr
+
+
+def test_plan_matches_main_job(main_job, ranks, tmp_path):
+    """Check that the demo LM's plan matches the allocator on the main job's run (main_job):
+    every rank's fused buffers to the byte, between steps within 3 % and the peak within 10 %,
+    release off and on, with the runtime's own bytes from the same job at d_model 4."""
+    from relgrad_demo import job, plan, report
+    result, _, _ = main_job
+    # the run wrote a --trace: its recorder's events are part of what a rank holds
+    opts = plan_checks.main_job_opts(result["config"], str(tmp_path / "trace.json"))
+    tiny = dict(opts, d_model=4)
+    runtime = plan.runtime_of(report.summarize(ranks(4).run(job.train_job, tiny), tiny), tiny)
+    layout = plan.layout_of(opts)
+    rows = plan.compare(plan.plan(plan.demo_model(opts), layout, runtime), result, layout)
+    assert len(rows) == 8 and sorted({r["mode"] for r in rows}) == ["off", "on"]
+    assert all(r["buffer"][0] > 100_000 for r in rows)
+    assert not plan.out_of_bounds(rows), plan.out_of_bounds(rows)

@@ -198,7 +198,11 @@ def _check_text(parser, path):
 
 def main(argv=None):
     """Run the main job (or --peers) locally (own ranks) or inside torchrun; print the
-    report; return the exit status."""
+    report; return the exit status. `--plan` / `--plan-check`: relgrad_demo/plan.py."""
+    given = sys.argv[1:] if argv is None else argv
+    if "--plan" in given or "--plan-check" in given:
+        from relgrad_demo import plan
+        return plan.main(given)
     args, opts = parse_args(argv)
     if args.walkthrough:
         from relgrad_demo import walkthrough
