@@ -1,17 +1,11 @@
 """Fused gradient buffers with `release_grads`: Paddle's `tensor_fusion_helper.py` in torch.
 
-Mirrors `python/paddle/distributed/fleet/utils/tensor_fusion_helper.py` at commit 9b40c67f672f
-(PR #59739). A `FusedCommBuffer` packs a bucket's grads into one flat tensor, so that one
-collective per bucket (all-reduce for dp, reduce to the owner for sharding v1, reduce-scatter
-for v2) runs during backward once every param has checked in `acc_steps` micro-batches. Without
-release the buffer lives for the whole run, each grad a view of its slot. With release a step's
-first check-in allocates it and re-points the grad at its slot; after the optimizer step the
-caller drops the grads and calls `_clear_grad_storage()` (`release()`).
-Phases of a step: check in -> communicate -> wait and scale -> step -> release.
-Sections: layout; hooks and helpers; agreeing across ranks (`agree`); the fused buffer.
-Differs from the seed: 16-bit buffers are divided before their sum (`sums_in_16_bits`).
-Leaves out: `use_reduce_avg`, timers, XPU; [later] `free_grads_in_comm`: relgrad_extras/.
-References: Paddle PRs #59739, #58441, #58462, #58621; Rajbhandari et al., "ZeRO" (2020).
+Mirrors fleet/utils/tensor_fusion_helper.py at commit 9b40c67f672f (PR #59739): one flat grad
+buffer and one collective per bucket (dp all-reduce, v1 reduce, v2 reduce-scatter), issued in
+backward once every param checked in `acc_steps` times. With release a step's first check-in
+allocates the buffer and `release()` frees it after the step. Phases: check in -> communicate
+-> wait and scale -> step -> release. Differs from the seed: 16-bit sums divide first. Leaves
+out: `use_reduce_avg`, timers, XPU; [later] free_grads_in_comm is in relgrad_extras/.
 """
 import pickle
 import re
@@ -54,8 +48,9 @@ class ShardingGradView:
         shard = param_buffer.numel() // sharding_degree
         self._param_begin = max(index, rank * shard)
         self._param_end = min(index + padded_size, (rank + 1) * shard)
+        self._local_end = min(self._param_end, index + param.numel())  # without padding
         # Differs from Paddle: an overlap of padding only counts as empty (no slice, no state).
-        self._has_local = self._param_begin < min(self._param_end, index + param.numel())
+        self._has_local = self._param_begin < self._local_end
         self._slice_grad = None
         if not release_grad:
             self._link_grad_to_buffer()
@@ -78,7 +73,7 @@ class ShardingGradView:
         if self._slice_grad is None:
             return
         self.fill_slice_param(slice_param)
-        current = getattr(slice_param, "main_grad" if self._use_main_grad else "grad", None)
+        current = getattr(slice_param, _GRAD[self._use_main_grad], None)
         if current is None:
             _set_grad(slice_param, self._use_main_grad, self._slice_grad)
         else:  # as Paddle asserts: a bound slice grad is this step's `_slice_grad`
@@ -135,8 +130,7 @@ def flatten_dense_tensors(params, use_main_grad=False, fuse_param=False, release
 
     dtype, device = params[0].dtype, params[0].device
     param_storage = torch.zeros(size, dtype=dtype, device=device) if fuse_param else None
-    grad_storage = torch.zeros(size, dtype=torch.float32 if use_main_grad else dtype,
-                               device=device)
+    grad_storage = torch.zeros(size, dtype=torch.float32 if use_main_grad else dtype, device=device)
     for p in params:
         offset = param2offset[p]
         if fuse_param:
@@ -157,9 +151,16 @@ class HOOK_ACTION:
 
 def global_rank(group, group_rank):
     """Global rank of `group_rank` within `group` (None = WORLD): Paddle's `group.ranks[i]`."""
-    if group is None or group is dist.group.WORLD:
-        return group_rank
-    return dist.get_global_rank(group, group_rank)
+    world = group is None or group is dist.group.WORLD
+    return group_rank if world else dist.get_global_rank(group, group_rank)
+
+
+def comm_device(params, group):
+    """The device for a rank's small collectives: its params', else NCCL's current GPU, or CPU."""
+    for p in params:
+        return p.device
+    nccl = dist.get_backend(group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 def main_grad_or_grad(param):
@@ -201,9 +202,8 @@ def assign_group_by_size(params, group_size=128 * 1024 * 1024):
 
 
 def bw_hook_func(buffer, param, use_comm=True):
-    """`param.register_post_accumulate_grad_hook`'s hook (Paddle: `_register_backward_hook`):
-    `buffer.add_grad(param, use_comm)`, holding the buffer weakly (torch never frees a cycle
-    through a tensor's hooks)."""
+    """A post-accumulate grad hook calling `buffer.add_grad(param, use_comm)` (Paddle's), holding
+    the buffer weakly (torch never frees a cycle through a tensor's hooks)."""
     return _weak_hook(lambda b, p: b.add_grad(p, use_comm=use_comm), buffer)
 
 
@@ -230,8 +230,7 @@ _TIMEOUT_WORDS = re.compile(r"time[ds]?[ _-]?out|timing out|deadline exceeded", 
 
 
 def _words(value):
-    """`value` (a number, bool, None, or a tuple / list of them) as int64 words, exactly:
-    numbers by their float64 bits, None as `_NONE`."""
+    """`value` (numbers, None, tuples / lists of them) as int64 words: float64 bits; None."""
     if isinstance(value, (tuple, list)):
         return [w for v in value for w in _words(v)]
     return [_NONE if value is None else struct.unpack("<q", struct.pack("<d", float(value)))[0]]
@@ -242,13 +241,10 @@ def agree(groups, problems=(), same=(), flags=(), device=None, timeout=None, via
     """Agree over every rank of `groups` (in turn; None = WORLD). Beyond Paddle.
 
     `problems`: `[(rule, detail)]`, detail what this rank saw (str) or None. `same`: `[(name,
-    value)]`, values that must be equal everywhere (`_words`, the same width on every rank;
-    None: no value here). `flags`: bools, returned OR-ed. `timeout`: per all-reduce (a rank
-    that never arrives: TimeoutError, `.absent` its ranks). `via_store`: through the default
-    store, any picklable values. `title`: the rule a differing `same` breaks.
-    Usual path: one all-reduce (MAX) of int64 words: problem flags, flags, and each word `w`
-    of `same` as `(w, ~w)` (max and ~min: equal iff the values are). Only when something is
-    flagged are the details gathered: every rank raises the same ValueError, naming the ranks.
+    value)]` equal everywhere (numbers, None, tuples of a fixed width); `title` the rule it
+    states. `flags`: bools, returned OR-ed. `timeout`: TimeoutError, `.absent` the ranks that
+    never came. `via_store`: any picklable values. One MAX all-reduce of int64 words (`same`
+    as `(w, ~w)`); only if something is flagged every rank gathers the details and raises.
     """
     mine = (dist.get_rank(), [d for _, d in problems], dict(same))
     if via_store:
@@ -338,10 +334,7 @@ def is_timeout_error(error):
 
 
 def _store():  # the default group's store, a side channel beside the collectives
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 (private API)
-        return None
+    return dist.distributed_c10d._get_default_store()
 
 
 # ---- The fused buffer: check in -> communicate -> wait and scale -> release ----
@@ -358,18 +351,16 @@ class FusedCommBuffer:
     """One bucket's fused grad buffer and its collective (Paddle's `FusedCommBuffer`).
 
     Args: `id` (for messages); `params` (trainable, one dtype and device); `comm_group` (None
-    = WORLD); `acc_steps` (check-ins per param before the collective fires); `act` (a
-    HOOK_ACTION); `dst` (REDUCE: the *global* rank that gets the sum, else -1);
-    `use_main_grad` (None: whether params[0] has `main_grad`); `fuse_param`;
-    `scale_after_comm`; `release_grads`. `grad_storage` is 1-D, `buffer_size` elements, None
-    while released. A step: hook every param (`bw_hook_func`); `acc_steps` backwards of a loss
-    scaled by 1/acc_steps (the last fires the collective); `scale_grads()`; step; zero the
-    grads in place (release off) or drop them and `release()`. Errors: docs/contract.md.
+    = WORLD); `acc_steps` (check-ins per param before the collective); `act` (HOOK_ACTION);
+    `dst` (REDUCE: the owner's *global* rank); `use_main_grad` (None: whether params[0] has
+    one); `fuse_param`; `scale_after_comm`; `release_grads`. `grad_storage`: 1-D, `buffer_size`
+    elements, None while released. A step: `acc_steps` backwards through the hooks
+    (`bw_hook_func`), `scale_grads()`, step, then zero the grads (release off) or drop them
+    and `release()`.
     """
 
     def __init__(self, id, params, comm_group, acc_steps=1, act=None, dst=-1,
-                 use_main_grad=None, fuse_param=False, scale_after_comm=True,
-                 release_grads=False):
+                 use_main_grad=None, fuse_param=False, scale_after_comm=True, release_grads=False):
         params = list(params)
         problem = _bad_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param,
                                    release_grads, use_main_grad)  # beyond Paddle's asserts
@@ -401,9 +392,8 @@ class FusedCommBuffer:
 
     @torch.no_grad()
     def _agree_on_layout(self):
-        """Every rank of comm_group built this bucket alike (else a collective would pair
-        other buckets: an abort); an ALL_REDUCE bucket's params then start from the group's
-        first rank, as DDP broadcasts them (module buffers, e.g. BatchNorm's: broadcast them)."""
+        """Every rank of comm_group built this bucket alike; an ALL_REDUCE bucket's params then
+        start from the group's first rank, as DDP's (module buffers: broadcast them yourself)."""
         agree([self._comm_group], same=[("the bucket (params, elements, bytes per element)", (
             len(self._params), self.buffer_size, self._dtype.itemsize))],
             device=self._params[0].device, title=f"bucket {self._id}: every rank of comm_group "
@@ -420,7 +410,9 @@ class FusedCommBuffer:
         return (f"param #{self._index[param]} of bucket {self._id} "
                 f"(shape {tuple(param.shape)}, {param.dtype})")
 
-    def _slot(self, param):
+    def _slot(self, param):  # the param's 1-D view of grad_storage
+        if self._act == HOOK_ACTION.REDUCE_SCATTER:
+            return self._sharding_param_grad_view[param]._slice_grad_from_buffer()
         offset = self.param2offset[param]
         return self.grad_storage[offset : offset + param.numel()]
 
@@ -450,8 +442,7 @@ class FusedCommBuffer:
             self.comm_grads()
 
     def _check_check_in(self, param):
-        """Beyond Paddle: a misplaced check-in, hooks in the wrong order, a step started before
-        the last was released, and [later, PR #64460] the address check under release."""
+        """Beyond Paddle: a misplaced check-in, hooks out of order, unreleased buffer, address."""
         if param not in self._params_step_dict:
             what = self._name(param) if param in self._index else (
                 f"a param of shape {tuple(param.shape)}")
@@ -466,8 +457,7 @@ class FusedCommBuffer:
             raise ValueError(f"bucket {self._id}: a new step started while last step's grad "
                              "buffer is still allocated; release() it after the step")
         if self._release_grads and count > 0 and _addr(_grad_of(param, self.use_main_grad)) != (
-                self._slot(param) if self._act != HOOK_ACTION.REDUCE_SCATTER else
-                self._sharding_param_grad_view[param]._slice_grad_from_buffer()).data_ptr():
+                self._slot(param).data_ptr()):
             raise ValueError(_ADDRESS_MSG.format(name=self._name(param)))
 
     @torch.no_grad()
@@ -492,9 +482,8 @@ class FusedCommBuffer:
 
     @torch.no_grad()
     def _clear_grad_storage(self):
-        """Release: drop the grad buffer after the optimizer step. Paddle frees with
-        `_clear_dataptr()`; torch frees a storage with its last reference, so every reference
-        goes, beyond Paddle the bucket grads aliasing it too. Nothing allocated: a no-op."""
+        """Release: drop the grad buffer and, beyond Paddle, the grads aliasing it (torch frees
+        a storage with its last reference; Paddle's `_clear_dataptr()` frees it outright)."""
         if not self._release_grads or self._task is not None:
             raise RuntimeError(f"bucket {self._id}: " + (
                 "built with release_grads=False: its grad buffer must persist; zero the grads "
@@ -557,9 +546,8 @@ class FusedCommBuffer:
 
     @torch.no_grad()
     def scale_grads(self, agree_in_flight=True):
-        """Wait for the collective, scale by 1/nranks what this rank reads (Paddle: the whole
-        buffer), reset the check-ins. Beyond Paddle, `agree_in_flight`: every rank of comm_group
-        raises if some grad changed while in flight (the optimizers agree on it themselves)."""
+        """Wait, scale by 1/nranks what this rank reads, reset the check-ins. `agree_in_flight`
+        (beyond Paddle): raise on every rank if some grad changed while in flight."""
         if self._task is None:
             raise RuntimeError(f"bucket {self._id}: no collective in flight, nothing to wait for:"
                                f" {self._check_in_status()} (a param without grads never checks"
@@ -593,8 +581,7 @@ class FusedCommBuffer:
 
     @torch.no_grad()
     def sync_params(self):
-        """REDUCE_SCATTER: all-gather every rank's shard of `param_storage` (in place); on gloo
-        one in-place broadcast per shard instead (`_stages_full_copies`)."""
+        """REDUCE_SCATTER: all-gather the shards of `param_storage` (gloo: a broadcast each)."""
         full, group = self.param_storage, self._comm_group
         if not _stages_full_copies(group, full):
             _all_gather(full, self._local_shard(full), group)
@@ -639,18 +626,16 @@ def _bad_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param, releas
         (len({p.dtype for p in params}) > 1, "a bucket holds one dtype, got "
          f"{sorted({str(p.dtype) for p in params})}; split it with assign_group_by_size"),
         (act not in acts, f"act must be HOOK_ACTION.ALL_REDUCE, REDUCE or REDUCE_SCATTER: {act!r}"),
-        (act == HOOK_ACTION.REDUCE and dst == -1, "act=REDUCE needs dst, the owner's rank"),
         (act != HOOK_ACTION.REDUCE and dst != -1, f"dst={dst} is only meaningful with act=REDUCE"),
-        (act == HOOK_ACTION.REDUCE and dst not in ranks, f"dst={dst} must be the global rank "
-         f"of a member of comm_group, one of {ranks}"),
-        (fuse_param and act == HOOK_ACTION.REDUCE_SCATTER, "fuse_param is not supported "
-         "with REDUCE_SCATTER (as in Paddle)"),
-        (not isinstance(acc_steps, int) or acc_steps < 1, "acc_steps must be an int >= 1 "
+        (act == HOOK_ACTION.REDUCE and dst not in ranks, f"act=REDUCE needs dst, the owner's "
+         f"global rank in comm_group, one of {ranks}; got {dst}"),
+        (fuse_param and act == HOOK_ACTION.REDUCE_SCATTER, "fuse_param: not with REDUCE_SCATTER"),
+        (not isinstance(acc_steps, int) or acc_steps < 1, f"acc_steps must be an int >= 1 "
          f"(micro-batches), got {acc_steps!r}"),
         (bool(frozen), f"params #{frozen} do not require grad; leave frozen params out"),
-        (use_main_grad is None and 0 < len(without) < len(params), f"params #{without} "
-         "have no main_grad while others do; call register_main_grad_hooks on every param, "
-         "or none, before building buffers")] if bad), None)
+        (use_main_grad is None and 0 < len(without) < len(params), f"params #{without} have "
+         "no main_grad while others do: register_main_grad_hooks on all before building")]
+        if bad), None)
 
 
 def _stages_full_copies(group, tensor):

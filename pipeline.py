@@ -1,20 +1,11 @@
 """Pipeline parallelism with 1F1B, fused grad comm overlap and `release_gradients` in torch.
 
-Mirrors `PipelineParallel` in `python/paddle/distributed/fleet/meta_parallel/pipeline_parallel.py`
-at commit 9b40c67f672f (PR #59739); the schedule is Megatron-LM's non-interleaved 1F1B. Each rank
-holds one stage of a list of layers; `train_batch` cuts the batch into `accumulate_steps`
-micro-batches: warm-up (stage s of p runs p-s-1 forwards), steady 1F1B, cool-down; activations
-and their grads cross stages by send / recv. With comm overlap each stage's grads live in
-`FusedCommBuffer`s whose hooks fire the collectives in the last micro-batch's backward; after
-the schedule they are waited and scaled; `_optimizer_step` steps and, with
-`release_gradients`, frees every buffer until the next step's first backward.
-Phases of a step: warm-up -> steady 1F1B -> cool-down -> wait and scale -> step -> release.
-Beyond Paddle: a step opens with one agreement over the job (`_agree_at_entry`), p2p waits are
-bounded by the pipe group's timeout (`PipelineStageTimeout`), buckets fire in one order
-(`sharding.BucketScheduler`). A rank that raises ends its process; the launcher ends the job.
-Ties, Paddle's clip and interleave: `relgrad_extras/`. Leaves out: AMP scaler, timers.
-References: Paddle PRs #59739, #58441; Narayanan et al., "Efficient Large-Scale Language Model
-Training on GPU Clusters Using Megatron-LM" (2021); Harlap et al., "PipeDream" (2018).
+Mirrors `PipelineParallel` (fleet/meta_parallel/pipeline_parallel.py) at commit 9b40c67f672f
+(PR #59739), with Megatron-LM's non-interleaved 1F1B. Phases of `train_batch`: warm-up ->
+steady 1F1B -> cool-down -> wait and scale -> step -> release (with release, every buffer is
+freed after the step). Beyond Paddle: one agreement opens a step; p2p waits time out
+(`PipelineStageTimeout`); a rank that raises ends its process and the launcher ends the job.
+Ties, Paddle's clip, interleave: relgrad_extras/. Reference: Narayanan et al. (2021).
 """
 from collections import defaultdict
 
@@ -22,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from comm_buffer import (HOOK_ACTION, FusedCommBuffer, _addr, _grad_of, agree,
-                         assign_group_by_size, global_rank, is_timeout_error,
+from comm_buffer import (_ADDRESS_MSG, HOOK_ACTION, FusedCommBuffer, _addr, _grad_of, agree,
+                         assign_group_by_size, comm_device, global_rank, is_timeout_error,
                          main_grad_or_grad as _grad)
 from relgrad import check_current_device, group_timeout
 from sharding import (BucketScheduler, _check_grad_clip, _comm_buffer_bytes,
@@ -32,13 +23,6 @@ from sharding import (BucketScheduler, _check_grad_clip, _comm_buffer_bytes,
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
 _ABANDONED = []  # p2p works that timed out: kept, the backend may still fill their buffers
-
-_MOVED_GRAD_MSG = ("The address of the grad/main_grad of a param in a fused buffer changed "
-                   "between steps (release off): change grads in place (grad.div_(2), "
-                   "zero_grad(set_to_none=False)), or turn pp_configs.release_gradients on")
-_BATCH_MSG = ("train_batch: a batch does not split into accumulate_steps micro-batches (of "
-              "micro_batch_size, if set); pass micro_batch_size * accumulate_steps samples on "
-              "every rank")
 
 
 class PipelineStageTimeout(TimeoutError):
@@ -76,8 +60,7 @@ class PipelineParallel(nn.Module):
     docs/contract.md.
     """
 
-    def __init__(self, layers, hcg, strategy, loss_fn, seg_boundaries=None,
-                 shared_weights=None):
+    def __init__(self, layers, hcg, strategy, loss_fn, seg_boundaries=None, shared_weights=None):
         super().__init__()
         pp_configs = strategy.hybrid_configs["pp_configs"]
         self._hcg, self._strategy, self._loss_fn = hcg, strategy, loss_fn
@@ -105,8 +88,7 @@ class PipelineParallel(nn.Module):
                                 self.accumulate_steps, dp=True)
 
     def _init_beyond_paddle(self, layers, bounds, shared_weights):
-        """Beyond Paddle: untied shares and the current device checked on every rank; the p2p
-        timeout, ties, the bucket scheduler, the step's phase (sets only its own attributes)."""
+        """Beyond Paddle: checks, p2p timeout, ties, the bucket scheduler, the phase (own attrs)."""
         self._check_untied_shares(layers, bounds, shared_weights)
         check_current_device(list(self._layers.parameters()),
                              [self._hcg.get_pipe_parallel_group()], "PipelineParallel")
@@ -152,18 +134,15 @@ class PipelineParallel(nn.Module):
             for name, p in layer.named_parameters():
                 seen = first.setdefault(id(p), (f"{i}.{name}", stage))
                 if seen[1] != stage and not any({seen[0], f"{i}.{name}"} <= t for t in tied):
-                    raise ValueError(
-                        f"one Parameter object is '{seen[0]}' on stage {seen[1]} and "
-                        f"'{i}.{name}' on stage {stage}: each stage would train its own copy. "
-                        f"Tie them with shared_weights=[({seen[0]!r}, '{i}.{name}')], or give "
-                        "the layers separate params")
+                    raise ValueError(f"one Parameter object is '{seen[0]}' on stage {seen[1]} and "
+                                     f"'{i}.{name}' on stage {stage}: tie them with shared_"
+                                     f"weights=[({seen[0]!r}, '{i}.{name}')], or untie them")
 
     def _shared_weights(self, shared_weights, bounds):
         if shared_weights is None:
             return None
         tied = extras("shared_weights", "PipelineParallel(shared_weights=...)")
-        return tied.SharedWeights(self._layers, self._hcg, shared_weights, bounds,
-                                  self._device())
+        return tied.SharedWeights(self._layers, self._hcg, shared_weights, bounds, self._device())
 
     def _build_layers(self, layers, seg_boundaries):
         bounds = _cut_layers(layers, seg_boundaries, self.num_stages)
@@ -189,8 +168,7 @@ class PipelineParallel(nn.Module):
                 var_groups[param2rank[p] if act == HOOK_ACTION.REDUCE else -1].append(p)
             for dst, group_params in var_groups.items():  # owners in order of appearance
                 dst = global_rank(comm_group, dst) if dst != -1 else -1
-                for group_idx, parameters in assign_group_by_size(group_params,
-                                                                  group_size).items():
+                for group_idx, parameters in assign_group_by_size(group_params, group_size).items():
                     # Seed hunk: the buffer gets release_grads from pp_configs
                     buffer = FusedCommBuffer(group_idx, parameters, comm_group, acc_steps, act,
                                              dst, release_grads=self._release_gradients)
@@ -205,14 +183,9 @@ class PipelineParallel(nn.Module):
         free = not dp and self._strategy.hybrid_configs["sharding_configs"].free_grads_in_comm
         plug_free_in_comm(buffers, free)  # [later] PaddleNLP #9081
         for buffer in buffers:
-            self._scheduler.add(buffer, param_hooks=False)
+            self._scheduler.add(buffer)
             if self._shared and self._shared.holds(buffer.params):
                 self._scheduler.held.append(buffer)
-            for p in buffer.params:
-                p.register_post_accumulate_grad_hook(self.bw_hook_func(buffer, p))
-
-    def bw_hook_func(self, buffer, param):  # Paddle's name: check in to `buffer`
-        return self._scheduler.hook(buffer, param)
 
     def register_sharding_comm_overlap_hook(self, optimizer):
         """Build the sharding buffers; lazily, since v1's owner map lives in the optimizer."""
@@ -222,17 +195,14 @@ class PipelineParallel(nn.Module):
         # [later] comm_buffer_size_MB, when set (Paddle's pipeline keeps 128 MB)
         size = _comm_buffer_bytes(self._strategy.hybrid_configs["sharding_configs"], 128)
         self.fused_gradient(self._layers, self._hcg.get_sharding_parallel_group(),
-                            self.accumulate_steps, dp=False, param2rank=param2rank,
-                            group_size=size)
+                            self.accumulate_steps, dp=False, param2rank=param2rank, group_size=size)
         self._sharding_hooks_registered = True
 
     # ---- one training step ----
 
     def train_batch(self, data, optimizer, lr_scheduler=None, grad_clip=None):
-        """1F1B over `data = (inputs, labels)` (batch dim 0, the same on every rank of the
-        pipe), then `_optimizer_step`. Returns the mean loss (0-d fp32) on every rank.
-        `grad_clip`: a Paddle-style clip beside a plain torch optimizer (a sharding optimizer
-        takes it in its constructor). PipelineStageTimeout when a stage does not answer."""
+        """1F1B over `data = (inputs, labels)` (batch on dim 0), then `_optimizer_step`; the
+        mean loss (0-d fp32) on every rank. `grad_clip`: a Paddle-style clip (plain optimizers)."""
         self._check_accumulation()  # before _prepare_training builds sharding buffers
         try:  # a stage that refuses to start tells the others at the entry agreement
             self._prepare_training(optimizer, lr_scheduler, grad_clip)
@@ -259,19 +229,18 @@ class PipelineParallel(nn.Module):
             (hcg.get_data_parallel_world_size(), hcg.get_data_parallel_group())) if n > 1]
 
     def _agree_at_entry(self, refused=None, data=None):
-        """Beyond Paddle: before any p2p of a step, raise on every rank what some rank saw (a
-        grad that left its buffer, a batch that does not split, `_prepare_training`'s error,
-        other accumulate_steps or grad_clip); a stage that never arrives: at the timeout."""
+        """Beyond Paddle: before the first p2p, raise everywhere what a rank saw (or time out)."""
         moved = [b._name(p) for bs in self._chunk_2_comm_buffers.values() for b in bs
                  for p in b.params if not b._release_grads
                  and _addr(_grad_of(p, b.use_main_grad)) != b._grads_to_addr[p]]
         clip = self._grad_clip
         try:
             agree(self._agree_groups(), [
-                (_MOVED_GRAD_MSG, ", ".join(moved) or None),
-                (_BATCH_MSG, None if data is None else self._batch_problem(data)),
-                ("train_batch refused", None if refused is None
-                 else f"{type(refused).__name__}: {refused}")],
+                (_ADDRESS_MSG.format(name="a param in a fused buffer"), ", ".join(moved) or None),
+                ("train_batch: a batch does not split into accumulate_steps micro-batches; pass "
+                 "micro_batch_size * accumulate_steps samples on every rank",
+                 None if data is None else self._batch_problem(data)),
+                ("train_batch refused", refused and f"{type(refused).__name__}: {refused}")],
                 [("accumulate_steps", self.accumulate_steps),
                  ("train_batch's grad_clip (given, clip_norm)",
                   (clip is not None, getattr(clip, "clip_norm", None)))],
@@ -422,10 +391,9 @@ class PipelineParallel(nn.Module):
     def _optimizer_step(self):
         """Step, then release (seed hunk) or zero the grads, then the LR scheduler."""
         params = list(self._layers.parameters())
-        if self._delay_scale_loss:  # in place: Paddle's `grad.scale(1/acc)` rebinds the grad
-            for p in params:
-                if _grad(p) is not None:
-                    _grad(p).mul_(1.0 / self.accumulate_steps)
+        for g in [_grad(p) for p in params] if self._delay_scale_loss else ():
+            if g is not None:  # in place: Paddle's `grad.scale(1/acc)` rebinds the grad
+                g.mul_(1.0 / self.accumulate_steps)
         hcg = self._hcg
         if (hcg.get_data_parallel_world_size() > 1 and not self._dp_comm_overlap
                 and hcg.get_sharding_parallel_world_size() == 1):  # HybridParallelOptimizer's
@@ -463,18 +431,13 @@ class PipelineParallel(nn.Module):
         if self._phase == "scheduled" and (self._comm_overlap or ties):
             what = "comm overlap" if self._comm_overlap else "shared_weights"
             raise ValueError(f"forward_backward_pipeline ran again before the optimizer step: "
-                             f"with {what} the grads are already reduced once per call; "
-                             "accumulate in one call (accumulate_steps micro-batches), or step "
-                             "between calls")
+                             f"with {what} each call reduces the grads; accumulate in one call "
+                             "(accumulate_steps micro-batches), or step between calls")
 
     # ---- point-to-point between neighbouring stages ----
 
     def _device(self):
-        p = next(self._layers.parameters(), None)
-        if p is not None:
-            return p.device
-        nccl = dist.get_backend(self._hcg.get_pipe_parallel_group()) == "nccl"
-        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        return comm_device(self._layers.parameters(), self._hcg.get_pipe_parallel_group())
 
     def _if_not_last(self, out): return None if self.stage_id == self.num_stages - 1 else out
     def _send_forward(self, out): self._p2p(send_next=self._if_not_last(out))
@@ -482,8 +445,7 @@ class PipelineParallel(nn.Module):
     def _recv_forward(self, first_stage_input):
         return self._p2p(recv_prev=True, fallback=first_stage_input)
 
-    def _p2p(self, send_next=None, send_prev=None, recv_next=None, recv_prev=False,
-             fallback=None):
+    def _p2p(self, send_next=None, send_prev=None, recv_next=None, recv_prev=False, fallback=None):
         """Batched isend / irecv with the neighbours; returns what was received: the next
         activation (`recv_prev`; on stage 0 `fallback`) or the grad of `recv_next`."""
         first, last = self.stage_id == 0, self.stage_id == self.num_stages - 1
@@ -519,8 +481,7 @@ class PipelineParallel(nn.Module):
         self._wait_p2p(dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)]), [peer])
 
     def _wait_p2p(self, works, peers):
-        """Wait for p2p `works` (with global ranks `peers`) within the pipe group's timeout;
-        beyond Paddle. PipelineStageTimeout names the peer's stage (the pipeline is then done)."""
+        """Beyond Paddle: wait for p2p `works` (peers: global ranks) within the group's timeout."""
         peers = peers if len(peers) == len(works) else [None] * len(works)
         for work, peer in zip(works, peers):
             try:
@@ -535,11 +496,10 @@ class PipelineParallel(nn.Module):
                                           stages) from error
 
     def _stage_timeout(self, what, stages):
-        seconds = self._p2p_timeout.total_seconds()
         return PipelineStageTimeout(
-            f"stage {self.stage_id} (global rank {dist.get_rank()}): {what} within the pipe "
-            f"group's timeout of {seconds:g} s: stage(s) {sorted(stages)} failed or stopped "
-            "answering (a failed rank's error is in the launcher's output)")
+            f"stage {self.stage_id} (global rank {dist.get_rank()}): {what} within the pipe group's"
+            f" timeout of {self._p2p_timeout.total_seconds():g} s: stage(s) {sorted(stages)} failed"
+            " or stopped answering (a failed rank's error is in the launcher's output)")
 
     def _meta(self, t):
         if t.dim() > _META_LEN - 2 or t.dtype not in _DTYPES:

@@ -1,12 +1,9 @@
 """relgrad: Paddle's `release_gradients` (PR #59739) in torch: what fleet provides around it.
 
-Mirrors, at commit 9b40c67f672f, the `PpConfig` / `DygraphShardingConfig` messages of
-`paddle/fluid/framework/distributed_strategy.proto`, `HybridCommunicateGroup` of
-`python/paddle/distributed/fleet/base/topology.py` and `MixPrecisionOptimizer` of
-`fleet/utils/mix_precision_utils.py`. Sections: config; topology; process groups on any backend
-(timeouts, the current device); the torch optimizer surface and fp32 masters the sharding
-optimizers build on. `python relgrad.py` is the main job (`relgrad_demo/cli.py`).
-Leaves out: mp / sep axes. References: Paddle PRs #59739, #64517; PaddleNLP #7594.
+Mirrors, at commit 9b40c67f672f, `PpConfig` / `DygraphShardingConfig` (distributed_strategy.proto),
+`HybridCommunicateGroup` (fleet/base/topology.py) and `MixPrecisionOptimizer`
+(fleet/utils/mix_precision_utils.py), plus process-group helpers (timeouts, the current device).
+`python relgrad.py` runs the main job (relgrad_demo/cli.py). Leaves out: mp / sep axes.
 """
 import inspect
 import sys
@@ -19,11 +16,16 @@ import torch.distributed as dist
 from comm_buffer import _backend_for, agree, main_grad_or_grad as _grad
 
 
-# ---- config: field names as in Paddle's distributed_strategy.proto ----
+# ---- config (Paddle's distributed_strategy.proto field names) and topology ----
 
 def _require(ok, message):
     if not ok:
         raise ValueError(message)
+
+
+def _require_count(name, value, none_ok=False):  # an int >= 1 (or None, if `none_ok`)
+    _require(none_ok and value is None or isinstance(value, int) and not isinstance(value, bool)
+             and value >= 1, f"{name} must be an int >= 1{' or None' * none_ok}, got {value!r}")
 
 
 @dataclass
@@ -35,22 +37,16 @@ class PpConfig:
     enable_timer: bool = False  # 3: Paddle's pipeline timers; not implemented, must be False
     sharding_comm_overlap: bool = False  # 4: sharding reduce(-scatter) during backward
     profiling: bool = False  # 5: Paddle's profiler hooks; not implemented, must be False
-    # Seed hunk: field 6. The fused grad buffers are allocated at a step's first grad
-    # check-in and freed after its optimizer step (the pipeline's read this flag alone;
-    # the sharding optimizers' own buffers also sharding_configs.release_gradients).
+    # Seed hunk: field 6. Fused grad buffers are allocated at a step's first grad check-in
+    # and freed after its optimizer step.
     release_gradients: bool = False
-    # Not a proto field: Paddle's `PipelineLayer(num_virtual_pipeline_stages=V)`; V > 1:
-    # model chunks per rank, for PipelineParallelWithInterleave.
+    # Not a proto field: PipelineLayer's model chunks per rank (> 1: interleave, extras)
     num_virtual_pipeline_stages: int = 1
 
     def __post_init__(self):
         for name in ("enable_timer", "profiling"):
-            _require(not getattr(self, name), f"pp_configs.{name} is not implemented in "
-                     "relgrad; leave it False")
-        v = self.num_virtual_pipeline_stages
-        _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-                 f"pp_configs.num_virtual_pipeline_stages must be an int >= 1 (model chunks "
-                 f"per pipeline rank; 1 = plain 1F1B), got {v!r}")
+            _require(not getattr(self, name), f"pp_configs.{name} is not implemented; unset it")
+        _require_count("pp_configs.num_virtual_pipeline_stages", self.num_virtual_pipeline_stages)
 
 
 @dataclass
@@ -58,26 +54,17 @@ class DygraphShardingConfig:
     """Paddle's `DygraphShardingConfig` message (the fields this reference uses)."""
 
     split_param: bool = False  # sharding v2: flat param shards (DygraphShardingOptimizerV2)
-    # Backward passes per step for v1 / v2's own buffers with comm_overlap (no pipeline); not
-    # HybridStrategy.accumulate_steps, the pipeline's micro-batch count.
-    accumulate_steps: int = 1
+    accumulate_steps: int = 1  # backward passes per step of comm_overlap's own buffers
     comm_overlap: bool = False  # sharding's own tensor-fusion overlap (hooks, no pipeline)
-    # [later] field 8, PR #64517: ORed with pp_configs.release_gradients for the sharding
-    # optimizers' own buffers (under pipeline overlap the buffers follow the PP flag)
+    # [later] field 8, PR #64517: ORed with pp_configs' for the optimizers' own buffers
     release_gradients: bool = False
     # [later] PaddleNLP #9081: free what a rank will not read once its bucket is reduced
     free_grads_in_comm: bool = False
-    # [later] MB per fused grad buffer of sharding; None: Paddle's 256 for sharding's own
-    # buffers, the pipeline's fixed 128 for its own
-    comm_buffer_size_MB: int = None
+    comm_buffer_size_MB: int = None  # [later] MB per bucket; None: 256 own, 128 pipeline
 
     def __post_init__(self):
-        _require(self.accumulate_steps >= 1, "sharding_configs.accumulate_steps must be >= 1, "
-                 f"got {self.accumulate_steps}")
-        mb = self.comm_buffer_size_MB
-        _require(mb is None or (isinstance(mb, int) and not isinstance(mb, bool) and mb > 0),
-                 "sharding_configs.comm_buffer_size_MB must be a positive int (MB per fused "
-                 f"grad buffer), got {mb!r}; pass e.g. 256, or None for the defaults")
+        _require_count("sharding_configs.accumulate_steps", self.accumulate_steps)
+        _require_count("sharding_configs.comm_buffer_size_MB", self.comm_buffer_size_MB, True)
 
 
 @dataclass
@@ -94,11 +81,8 @@ class HybridStrategy:
 
     def __post_init__(self):
         for name in ("dp_degree", "pp_degree", "sharding_degree", "accumulate_steps"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1,
-                     f"{name} must be an int >= 1, got {value!r}")
-        _require(self.micro_batch_size is None or self.micro_batch_size >= 1,
-                 f"micro_batch_size must be None or >= 1, got {self.micro_batch_size!r}")
+            _require_count(name, getattr(self, name))
+        _require_count("micro_batch_size", self.micro_batch_size, none_ok=True)
         _require(not (problem := sharding_config_problem(self)), problem)
 
     @property
@@ -111,14 +95,13 @@ class HybridStrategy:
     def check_world_size(self, world_size):
         """Raise ValueError unless the degrees multiply to `world_size` (ranks)."""
         product = self.dp_degree * self.pp_degree * self.sharding_degree
-        _require(product == world_size, f"dp_degree * pp_degree * sharding_degree = {product} "
-                 f"({self.dp_degree} * {self.pp_degree} * {self.sharding_degree}) must equal "
-                 f"the world size {world_size}; change the degrees or the number of ranks")
+        _require(product == world_size, f"dp_degree * pp_degree * sharding_degree = {product} ("
+                 f"{self.dp_degree} * {self.pp_degree} * {self.sharding_degree}) must equal the "
+                 f"world size {world_size}; change the degrees or the number of ranks")
 
 
 def sharding_config_problem(strategy, split_param=None):
-    """What breaks the sharding configs' rules in `strategy` (any object with Paddle's
-    `hybrid_configs`), or None: checked at build and by the sharding optimizers."""
+    """What breaks the sharding configs' rules in `strategy` (Paddle's hybrid_configs), or None."""
     configs = strategy.hybrid_configs
     pp, sd, pp_degree = configs["pp_configs"], configs["sharding_configs"], configs["pp_degree"]
     split_param = sd.split_param if split_param is None else split_param
@@ -126,23 +109,19 @@ def sharding_config_problem(strategy, split_param=None):
     return next((text for bad, text in [
         (sd.comm_overlap and (pp.sharding_comm_overlap or pp_degree > 1), "sharding_configs."
          "comm_overlap is sharding's own overlap without a pipeline: it needs pp_degree 1 and "
-         f"pp_configs.sharding_comm_overlap off (they cannot both be on), got {pp_degree} and "
-         f"{pp.sharding_comm_overlap}; under a pipeline use the latter"),
+         "pp_configs.sharding_comm_overlap off (they cannot both be on), got "
+         f"{pp_degree} and {pp.sharding_comm_overlap}"),
         (sd.free_grads_in_comm and not released, "sharding_configs.free_grads_in_comm needs "
-         "release: turn on pp_configs.release_gradients (or, without pipeline overlap, "
-         "sharding_configs.release_gradients)"),
-        (sd.free_grads_in_comm and pp.delay_scale_loss and split_param, "sharding_"
-         "configs.free_grads_in_comm with split_param drops the grads after the reduce-scatter,"
-         " so delay_scale_loss (it scales them) would miss the shards")] if bad), None)
+         "release: turn on pp_configs.release_gradients (or sharding_configs')"),
+        (sd.free_grads_in_comm and pp.delay_scale_loss and split_param, "sharding_configs."
+         "free_grads_in_comm with split_param: delay_scale_loss would miss the freed shards")]
+        if bad), None)
 
-
-# ---- topology ----
 
 class HybridCommunicateGroup:
     """The dp x pp x sharding rank grid and its process groups (Paddle's HybridCommunicateGroup).
 
-    Paddle's default axis order, dp outermost and sharding innermost (mp = sep = 1 here):
-    `rank = (dp_index * pp_degree + stage) * sharding_degree + sharding_index`. dp 2, pp 2,
+    `rank = (dp_index * pp_degree + stage) * sharding_degree + sharding_index`; dp 2, pp 2,
     sharding 2:
 
         rank       0 1 2 3 4 5 6 7      sharding groups {0,1} {2,3} {4,5} {6,7}
@@ -150,8 +129,7 @@ class HybridCommunicateGroup:
         stage      0 0 1 1 0 0 1 1      dp groups       {0,4} {1,5} {2,6} {3,7}
         sharding   0 1 0 1 0 1 0 1
 
-    Every rank creates every group, in order. `timeout` bounds each collective and p2p wait on
-    them (None: the default group's; torch's `new_group` would give its own 30 min).
+    `timeout` bounds each collective and p2p wait on them (None: the default group's).
     """
 
     def __init__(self, strategy, timeout=None):
@@ -186,8 +164,7 @@ class HybridCommunicateGroup:
 # ---- process groups on any backend: timeouts, the current device ----
 
 def group_timeout(group):
-    """The timeout (timedelta) `group` was created with (None = the default group), read from
-    its backend for a device it serves; else torch's default for that backend."""
+    """The timeout `group` (None: the default) was created with, else torch's default for it."""
     group = group or dist.distributed_c10d._get_default_group()
     for device in getattr(group, "_device_types", ()):  # private API: its backends' devices
         try:
@@ -206,9 +183,8 @@ SET_DEVICE_FIX = ("add `torch.cuda.set_device(local_rank)` (local_rank = int(os.
 
 
 def device_problem(backend, param_devices, current_device):
-    """What is wrong, or None, with params on `param_devices` under a group of `backend` while
-    the current CUDA device is `current_device` (None without CUDA): NCCL runs on the current
-    device, so a CUDA param on another one means set_device was not called. Pure."""
+    """What is wrong, or None, with params on `param_devices` under `backend` while the current
+    CUDA device is `current_device` (NCCL runs there: another means no set_device). Pure."""
     others = sorted({str(d) for d in param_devices if torch.device(d).type == "cuda"
                      and (torch.device(d).index or 0) != current_device})
     if _backend_for(backend, "cuda") != "nccl" or not others:
@@ -218,26 +194,18 @@ def device_problem(backend, param_devices, current_device):
 
 
 def check_current_device(params, groups, what):
-    """ValueError on every rank of `groups` if, under NCCL, some rank's params are on a GPU
-    other than its current one; agreed through the store (a collective would need the very
-    device that is wrong). Beyond Paddle (its launcher gives each process its GPU)."""
+    """Beyond Paddle: ValueError on every rank if, under NCCL, params are off the current GPU."""
     if any(_backend_for(dist.get_backend(g), "cuda") == "nccl" for g in groups):
         current = torch.cuda.current_device() if torch.cuda.is_available() else None
-        agree_on_devices(device_problem("nccl", [p.device for p in params], current), groups,
-                         what)
-
-
-def agree_on_devices(problem, groups, what):
-    """`comm_buffer.agree` through the store on a `device_problem` text (or None)."""
-    agree(groups, [(f"{what}: {SET_DEVICE_FIX}", problem)], via_store=True)
+        problem = device_problem("nccl", [p.device for p in params], current)
+        agree(groups, [(f"{what}: {SET_DEVICE_FIX}", problem)], via_store=True)
 
 
 # ---- the torch optimizer surface and fp32 masters (Paddle's mix_precision_utils.py) ----
 
 def register_main_grad_hooks(params):
-    """An fp32 `param.main_grad` beside low-precision params (Paddle's MixPrecisionLayer): each
-    grad is added into it, then dropped. Register before the buffer hooks (torch runs them in
-    order). Returns the hook handles."""
+    """An fp32 `param.main_grad` each grad is added into, then dropped (Paddle's
+    MixPrecisionLayer); register before the buffer hooks. Returns the hook handles."""
     handles = []
     for p in params:
         if p.requires_grad:
@@ -290,9 +258,8 @@ class _Wrapper(torch.optim.Optimizer):
             raise ValueError("closure is not supported by the sharding wrappers; call the "
                              "model yourself and then step()")
         if getattr(self, "grad_scale", None) is not None:
-            raise ValueError("torch.amp.GradScaler cannot drive this optimizer (its inf check "
-                             "reads each rank's grads before the reduce): use bf16 params with "
-                             "fp32 main grads, which need no loss scaling")
+            raise ValueError("torch.amp.GradScaler cannot drive this optimizer (it checks each "
+                             "rank's grads before the reduce): use bf16 with fp32 main grads")
         getattr(self._inner_opt, "check_template", lambda: None)()
 
     def zero_grad(self, set_to_none=True): self.clear_grad(set_to_zero=not set_to_none)
@@ -320,15 +287,23 @@ class _Wrapper(torch.optim.Optimizer):
             hook(self)
 
 
+def new_params(params, known):
+    """`params` (a tensor or an iterable) as a list; ValueError if one is `known` or repeated."""
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    ids = [id(p) for p in params]
+    if len(set(ids)) < len(ids) or set(ids) & {id(p) for p in known}:
+        raise ValueError("some params are already in the optimizer (or repeated); a param "
+                         "belongs to one group")
+    return params
+
+
 def _hyper(group):
     return {k: v for k, v in group.items() if k != "params"}
 
 
 class MixPrecisionOptimizer(_Wrapper):
-    """Step `optimizer`'s class and hyper-parameters on fp32 masters, reading `main_grad`:
-    each bf16 / fp16 *target* (a param, or a v2 slice) gets a master, fed `main_grad` (or the
-    grad) at `step()` and copied back; fp32 / fp64 targets step directly. A target written
-    since its last copy-back reloads its master. `params`: targets per group."""
+    """Step `optimizer`'s class on fp32 masters of the bf16 / fp16 targets (params or v2
+    slices, `params`: per group), fed `main_grad` (else the grad), copied back after."""
 
     def __init__(self, optimizer, params=None):
         if carries_state(optimizer):  # the sharding wrappers agree on this first
@@ -343,11 +318,7 @@ class MixPrecisionOptimizer(_Wrapper):
         self._template, self._built = optimizer, [_hyper(g) for g in optimizer.param_groups]
 
     def _master_group(self, group, targets):
-        targets = [targets] if isinstance(targets, torch.Tensor) else list(targets)
-        known = {id(t) for t in self._targets}
-        if any(id(t) in known for t in targets) or len({id(t) for t in targets}) < len(targets):
-            raise ValueError("some params are already in the optimizer (or repeated); a param "
-                             "belongs to one group")
+        targets = new_params(targets, self._targets)
         self._targets += targets
         self._masters.update({t: t.detach().float() for t in targets
                               if t.is_floating_point() and t.element_size() < 4})

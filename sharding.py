@@ -1,16 +1,12 @@
 """ZeRO-1 sharding optimizers with `release_gradients`: Paddle's DygraphShardingOptimizer v1 / v2.
 
-Mirrors `DygraphShardingOptimizer` (v1) and `DygraphShardingOptimizerV2` (v2, `split_param`) of
-`python/paddle/distributed/fleet/meta_optimizers/dygraph_optimizer/dygraph_sharding_optimizer.py`
-at commit 9b40c67f672f (PR #59739). v1 gives each whole param to one owner: grads are reduced to
-it, it steps, params are broadcast from it. v2 lays each bucket's params into one flat padded
-buffer, a shard per rank: grads are reduce-scattered, each rank steps 1-D slices, the buffer is
-all-gathered. With release the grad buffers live from a step's first grad to `clear_grad`.
-Phases of `step()`: agree -> reduce -> dp all-reduce -> clip -> step -> broadcast / all-gather.
-Sections: helpers (dp sync, extras, bucket scheduler); the torch optimizer surface; fp32
-masters; clipping; sharding v1 and v2 (with per-rank checkpoints and sharding's own overlap).
-Leaves out: v1's fused params, offload, color sharding, GradScaler. Rules: docs/contract.md.
-References: Paddle PRs #59739, #58462, #58621, #64517; Rajbhandari et al., "ZeRO" (2020).
+Mirrors `dygraph_sharding_optimizer.py` (fleet/meta_optimizers/dygraph_optimizer) at commit
+9b40c67f672f (PR #59739). v1: whole params per owner; grads reduced to it, it steps, params
+broadcast. v2 (`split_param`): each bucket one flat padded buffer, a shard per rank; grads
+reduce-scattered, slices stepped, the buffer all-gathered. With release the grad buffers live
+from a step's first grad to `clear_grad`. Phases of `step()`: agree -> reduce -> dp all-reduce
+-> clip -> step -> broadcast / all-gather. Rules: docs/contract.md. Leaves out: v1's fused
+params, offload, color sharding, GradScaler. References: Paddle PRs #59739, #58462, #64517.
 """
 import importlib
 import inspect
@@ -21,11 +17,12 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from comm_buffer import (HOOK_ACTION, IN_FLIGHT_RULE, FusedCommBuffer, _grad_of, _set_grad, _share_param_buffer,
-                         _weak_hook, agree, assign_group_by_size, densify_grads, global_rank,
-                         main_grad_or_grad as _grad, sums_in_16_bits)
+from comm_buffer import (HOOK_ACTION, IN_FLIGHT_RULE, FusedCommBuffer, _fill_grad, _grad_of,
+                         _set_grad, _share_param_buffer, _weak_hook, agree, assign_group_by_size,
+                         comm_device, densify_grads, global_rank, main_grad_or_grad as _grad,
+                         sums_in_16_bits)
 from relgrad import (MixPrecisionOptimizer, _hyper, _template_state_rule, _Wrapper, carries_state,
-                     check_current_device, clear_grad_func, sharding_config_problem)
+                     check_current_device, clear_grad_func, new_params, sharding_config_problem)
 
 
 # ---- Helpers: the dp sync, hyper-parameters, the extras folder, firing buckets in order ----
@@ -52,20 +49,16 @@ def agreed_all_reduce_mean(params, group, device=None, param_groups=()):
         densify_grads(params)
         here = [_grad(p) is not None for p in params]
         anywhere = agree([group], same=hyper_parameters(param_groups), flags=here,
-                         device=device or params[0].device, title=_HYPER_TITLE)
+                         device=device or params[0].device, title="every rank that holds the "
+                         "same params must step with the same hyper-parameters")
         _fill_missing_grads(params, anywhere, here)
         all_reduce_mean([_grad(p) for p, a in zip(params, anywhere) if a], group)
 
 
-@torch.no_grad()
-def _fill_missing_grads(params, anywhere, here):
+def _fill_missing_grads(params, anywhere, here):  # zeros where only other ranks wrote
     for p, some_rank, mine in zip(params, anywhere, here):
-        if some_rank and not mine and _grad(p) is None:
-            _set_grad(p, hasattr(p, "main_grad"), torch.zeros(p.shape, device=p.device, dtype=(
-                torch.float32 if hasattr(p, "main_grad") else p.dtype)))
-
-
-_HYPER_TITLE = "every rank that holds the same params must step with the same hyper-parameters"
+        if some_rank and not mine:
+            _fill_grad(p, hasattr(p, "main_grad"))
 
 
 def hyper_parameters(param_groups):
@@ -95,12 +88,9 @@ def plug_free_in_comm(buffers, free_grads_in_comm):
 
 
 class BucketScheduler:
-    """Issues the `add`ed buckets' collectives in one order on every rank, the reverse of the
-    build order (backward reaches the last params first). Beyond Paddle, whose hooks fire each
-    bucket when complete: a param one rank's backward skips would mix up the collectives.
-    With `fire_on_hook` a check-in fires each complete bucket whose predecessors fired (not the
-    `held`: a tied copy's, after the tie sum); else the caller `fire`s, which issues the rest
-    with what they hold. Check-ins past acc_steps count in `extra` (a pass too many)."""
+    """Issues the buckets' collectives in one order on every rank, the reverse of the build
+    order (beyond Paddle). `fire_on_hook`: a check-in fires each complete bucket whose
+    predecessors fired (not the `held`, tied copies); `fire()` issues the rest as they are."""
 
     def __init__(self, fire_on_hook=True):
         self.buffers, self.fire_on_hook, self.held = [], fire_on_hook, []
@@ -109,13 +99,10 @@ class BucketScheduler:
     def reset(self):
         self._next, self.extra = 0, Counter()
 
-    def add(self, buffer, param_hooks=True):
+    def add(self, buffer):  # first in the order; its params' hooks check in here (weakly held)
         self.buffers.insert(0, buffer)
-        for p in buffer.params if param_hooks else ():
-            p.register_post_accumulate_grad_hook(self.hook(buffer, p))
-
-    def hook(self, buffer, param):  # `param`'s post-accumulate hook (holds both weakly)
-        return _weak_hook(lambda s, b, p: s.check_in(b, p), self, buffer)
+        for p in buffer.params:
+            p.register_post_accumulate_grad_hook(_weak_hook(BucketScheduler.check_in, self, buffer))
 
     def check_in(self, buffer, param):
         if buffer._task is not None or param not in buffer._params_step_dict:
@@ -167,7 +154,9 @@ class BucketScheduler:
         changed = [b._id for b in self.buffers if b._changed_in_flight()]
         try:
             agree(groups, [(IN_FLIGHT_RULE, f"buckets {changed}" if changed else None),
-                           (INCOMPLETE_RULE.format(acc=acc), None if most == fewest == acc
+                           (f"a bucket was not complete after accumulate_steps={acc} backward "
+                            "passes: each trainable param needs a grad in each, on every rank; "
+                            "clear this step", None if most == fewest == acc
                             else f"{most} backward passes, the fewest for a param {fewest}")],
                   [("backward passes (most, fewest for a param)", (most, fewest))], device=device)
         except ValueError:
@@ -176,10 +165,6 @@ class BucketScheduler:
         self.reset()
         for buffer in self.buffers:
             buffer.scale_grads(agree_in_flight=False)  # agreed above
-
-
-INCOMPLETE_RULE = ("a bucket was not complete after accumulate_steps={acc} backward passes: each "
-                   "trainable param needs a grad in each, on every rank; clear this step")
 
 
 # ---- Clipping by the global norm (Paddle's HybridParallelClipGrad; torch's clip_grad_norm_) ----
@@ -196,8 +181,7 @@ def norm_groups(hcg):
 
 
 @torch.no_grad()
-def clip_grads_by_global_norm(params_grads, max_norm, groups=(), device=None,
-                              coefficient="paddle"):
+def clip_grads_by_global_norm(params_grads, max_norm, groups=(), device=None, coefficient="paddle"):
     """Scale `params_grads` (what this rank steps) in place by the L2 norm over `groups` (fp32;
     `need_clip=False`: out, `is_firstly_shared=False`: uncounted) by "paddle": `max_norm /
     (max(norm, max_norm) + 1e-6)` or "torch": `min(max_norm / (norm + 1e-6), 1)`. Returns it."""
@@ -220,16 +204,12 @@ def clip_grads_by_global_norm(params_grads, max_norm, groups=(), device=None,
 def _clip_rules(args=None, grad_clip=None):
     """clip_grad_norm_'s argument checks as `(rule, detail)` for `agree` (None: unseen)."""
     max_norm, norm_type = args or (1.0, 2.0)
-    bad_norm = isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
-        math.isfinite(max_norm) and max_norm > 0)
-    try:
-        bad_type = float(norm_type) != 2.0
-    except (TypeError, ValueError):
-        bad_type = True
+    number = isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
+    good = number and math.isfinite(max_norm) and max_norm > 0
     return [("clip_grad_norm_: max_norm must be a finite number > 0; pass e.g. 1.0",
-             f"max_norm={max_norm!r}" if bad_norm else None),
+             None if good else f"max_norm={max_norm!r}"),
             ("clip_grad_norm_: only norm_type=2 (the L2 norm) is supported over sharded grads",
-             f"norm_type={norm_type!r}" if bad_type else None),
+             None if str(norm_type) in ("2", "2.0") else f"norm_type={norm_type!r}"),
             ("clip_grad_norm_ on an optimizer built with grad_clip= would clip twice; use one",
              f"grad_clip={grad_clip!r}" if args and grad_clip is not None else None)]
 
@@ -242,8 +222,7 @@ _ERASE_MSG = ("should not erase grad buffer: release off, the grads are views of
 
 
 class _Sharding(_Wrapper):
-    """What v1 and v2 share: flags, the agreements opening a build and a step, the step's state
-    (a phase, the grads written since the last clear), clipping, per-rank checkpoints."""
+    """What v1 and v2 share: flags, agreements, the step's state, clipping, per-rank checkpoints."""
 
     def _setup(self, optimizer, hcg, strategy, grad_clip):
         pp_config = strategy.hybrid_configs["pp_configs"]
@@ -264,8 +243,7 @@ class _Sharding(_Wrapper):
         self._init_beyond_paddle(optimizer, strategy, grad_clip)  # skippable: see there
 
     def _init_beyond_paddle(self, optimizer, strategy, grad_clip):
-        """Beyond Paddle: the device and the build agreed, the params broadcast (as DDP), the own
-        overlap's config, the step's state. Sets only its own attributes."""
+        """Beyond Paddle: device, build agreed; params broadcast; the step's state (own attrs)."""
         pp_config = strategy.hybrid_configs["pp_configs"]
         sharding_config = strategy.hybrid_configs["sharding_configs"]
         self._pp_flag = pp_config.release_gradients  # what the pipeline's buffers follow
@@ -279,32 +257,21 @@ class _Sharding(_Wrapper):
         self._grad_clip = _check_grad_clip(grad_clip)
         self._scheduler = BucketScheduler()
         self._phase, self._written, self._marked = "idle", set(), {}  # the step's state
-        weakref.finalize(self, _remove_hooks, self._marked)
-
-    @property
-    def _buffers_released(self):
-        """Under pipeline overlap the buffers are the pipeline's, built with the PP flag alone."""
-        return self._pp_flag if self.pp_overlap else self.pp_release_grads
+        weakref.finalize(self, lambda marked: [h.remove() for h in marked.values()], self._marked)
 
     @property
     def comm_buffers(self):  # its own FusedCommBuffers, or (v2 under pp overlap) the pipeline's
-        return list(self._own_buffers())
+        return list(self._comm_buffer_list if self._is_v2 else self._comm_buffers)
 
     def _flag_groups(self):
         dp = self._hcg.get_data_parallel_world_size() > 1
         return [self._group] + [self._hcg.get_data_parallel_group()] * dp
 
-    def _flags_device(self):
-        if self._parameter_list:
-            return self._parameter_list[0].device
-        nccl = dist.get_backend(self._group) == "nccl"  # a stage without params
-        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    def _flags_device(self): return comm_device(self._parameter_list, self._group)
 
     def _agree_on_setup(self, optimizer, strategy, grad_clip):
         """Every rank builds alike: class, config, torch optimizer, hyper-parameters, params."""
         sc, pc = strategy.hybrid_configs["sharding_configs"], strategy.hybrid_configs["pp_configs"]
-        fields = ("split_param", "comm_overlap", "accumulate_steps", "release_gradients",
-                  "free_grads_in_comm", "comm_buffer_size_MB")
         use = "DygraphShardingOptimizerV2" if sc.split_param else "DygraphShardingOptimizer"
         agree(self._flag_groups(), [
             ("sharding_configs.split_param selects the class (as in Paddle): build that class, "
@@ -312,19 +279,14 @@ class _Sharding(_Wrapper):
              f"split_param={sc.split_param} selects {use}, {type(self).__name__} was built"),
             (_template_state_rule(type(self).__name__), f"{len(optimizer.state)} param(s) "
              "with state" if carries_state(optimizer) else None)],
-            [("class", type(self).__name__),
-             ("sharding_configs", [(f, getattr(sc, f, None)) for f in fields]),
-             ("pp_configs", (pc.release_gradients, pc.sharding_comm_overlap,
-                             pc.dp_comm_overlap, pc.delay_scale_loss)),
-             ("torch optimizer", type(optimizer).__name__),
-             ("grad_clip", "None" if grad_clip is None else
-              (type(grad_clip).__name__, repr(getattr(grad_clip, "clip_norm", None)))),
-             ("the number of params", len(self._parameter_list))] + [
-                (f"hyper-parameters: group {i} {k!r}", repr(v))
-                for i, g in enumerate(optimizer.param_groups) for k, v in _hyper(g).items()] + [
-                (f"params (shape, dtype, requires_grad) #{i}", (tuple(p.shape), str(p.dtype),
-                                                                 p.requires_grad))
-                for i, p in enumerate(self._parameter_list)],
+            [("class", type(self).__name__), ("sharding_configs", vars(sc)),
+             ("pp_configs", vars(pc)), ("torch optimizer", type(optimizer).__name__),
+             ("grad_clip", (type(grad_clip).__name__, getattr(grad_clip, "clip_norm", None))),
+             ("the number of params", len(self._parameter_list))]
+            + [(f"hyper-parameters: group {i} {k!r}", repr(v)) for i, g in
+               enumerate(optimizer.param_groups) for k, v in _hyper(g).items()]
+            + [(f"params (shape, dtype, requires_grad) #{i}", (tuple(p.shape), str(p.dtype),
+                p.requires_grad)) for i, p in enumerate(self._parameter_list)],
             via_store=True, title="every rank of the sharding (and dp) group must build the "
             "optimizer alike (class, config, torch optimizer, hyper-parameters, model)")
 
@@ -338,17 +300,19 @@ class _Sharding(_Wrapper):
 
     # ---- a step's state: one phase, and the grads written since the last clear ----
 
-    def _snapshot(self):
+    def _finish_clear(self, error=None):
         """At a clear: forget what was written, note each grad object (one assigned by hand later
         counts), hook every trainable param (unfrozen since, too) to report its backward."""
+        self._hyper_shape = hyper_parameters(self.param_groups)  # the agreement's structure
         self._written.clear()
         self._as_cleared = {id(p): id(g) for p in self._parameter_list
                             if (g := _grad(p)) is not None}
         mark = self._written.add
         for p in self._parameter_list:
             if p.requires_grad and id(p) not in self._marked:
-                self._marked[id(p)] = p.register_post_accumulate_grad_hook(
-                    lambda q: mark(id(q)))
+                self._marked[id(p)] = p.register_post_accumulate_grad_hook(lambda q: mark(id(q)))
+        if error is not None:
+            raise error
 
     def _has_grad(self):
         """Per param: written since the last clear (by backward, or assigned by hand)."""
@@ -368,23 +332,19 @@ class _Sharding(_Wrapper):
         dropped = self._phase == "dropped" and not any(has)
         problems = list(rules or _clip_rules()) + self._misuse_rules() + [(
             "did zero_grad() run between backward and step() on some rank, with no backward "
-            "after it? Its dropped grads would count as zeros; clear grads after step()",
-            "its grads were dropped after backward" if dropped else None)]
+            "after it? Its grads would count as zeros: clear grads after step()",
+            "grads dropped" if dropped else None)]
         opened = (0, None, None, None) if entry is None else (1, *(
             v if isinstance(v, (int, float)) else None for v in entry))
-        try:
-            anywhere = agree(self._flag_groups(), problems, [
-                ("how the step was opened (clip_grad_norm_, max_norm, norm_type, "
-                 "error_if_nonfinite)", opened)] + self._hyper_now(), has, self._flags_device(),
-                title="every rank of the sharding (and dp) group must open a step alike, all with "
-                "opt.clip_grad_norm_(...) with the same arguments or all with step() alone, and "
-                "step with the same hyper-parameters")
-            if any(p.requires_grad for p in self._parameter_list) and not any(anywhere):
-                raise ValueError("no param has a grad on any rank at step(): zero_grad() before "
-                                 "step()? params replaced after building (assign=True)?")
-        except ValueError:
-            self._phase = "failed"  # the buckets stay for a retried step
-            raise
+        anywhere = agree(self._flag_groups(), problems, [
+            ("how the step was opened (clip_grad_norm_, max_norm, norm_type, error_if_nonfinite)",
+             opened)] + self._hyper_now(), has, self._flags_device(),
+            title="every rank of the sharding (and dp) group must open a step alike (all with "
+            "opt.clip_grad_norm_ of the same arguments, or all without) and with the same "
+            "hyper-parameters")
+        if any(p.requires_grad for p in self._parameter_list) and not any(anywhere):
+            raise ValueError("no param has a grad on any rank at step(): zero_grad() before "
+                             "step()? params replaced after building (assign=True)?")
         _fill_missing_grads(self._parameter_list, anywhere, has)
         return anywhere
 
@@ -392,8 +352,8 @@ class _Sharding(_Wrapper):
         """The hyper-parameters now, in the structure of the last clear (fixed width)."""
         now = dict(hyper_parameters(self.param_groups))
         return [(name, now.get(name) if type(now.get(name)) is type(v) and (
-            not isinstance(v, tuple) or len(now[name]) == len(v)) else _none_like(v))
-            for name, v in self._hyper_shape]
+            not isinstance(v, tuple) or len(now[name]) == len(v)) else
+            (None,) * len(v) if isinstance(v, tuple) else None) for name, v in self._hyper_shape]
 
     def _misuse_rules(self):
         return []
@@ -414,14 +374,13 @@ class _Sharding(_Wrapper):
         try:
             self._reduce_for_step(entry, rules)
         except ValueError:
-            self._phase = "failed"
+            self._phase = "failed"  # the buckets stay for a retried step
             raise
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        """torch's `clip_grad_norm_` on the optimizer (as FSDP's), on every rank before step():
-        step()'s first half runs now, then the reduced grads are clipped by the global L2 norm
-        (fp32, each element once, torch's coefficient); returns it. norm_type: 2 only."""
+        """torch's `clip_grad_norm_` on the optimizer (as FSDP's), before step() on every rank:
+        runs step()'s first half, clips the reduced grads by the global L2 norm; returns it."""
         if self._phase == "reduced":
             raise RuntimeError("clip_grad_norm_ ran twice before step(); call it once per step, "
                                "between backward and step()")
@@ -436,9 +395,8 @@ class _Sharding(_Wrapper):
         return norm
 
     def _settle_for_clear(self):
-        """Beyond Paddle: with comm_overlap and no step since the last clear, agree through the
-        store whether some rank has collectives in flight (one that skipped its backward could
-        not know); if so every rank settles its buckets. Returns the error to raise, or None."""
+        """Beyond Paddle: comm_overlap without a step since the last clear: agree through the
+        store whether some rank has collectives in flight; if so all settle. Returns the error."""
         error = None
         if self.comm_overlap and self._phase != "stepped":
             most = self._scheduler.passes()[0]
@@ -455,15 +413,6 @@ class _Sharding(_Wrapper):
         self._phase = "dropped" if dropped else "idle"
         self._scheduler.reset()
         return error
-
-    def _finish_clear(self, error):
-        self._snapshot()
-        self._hyper_shape = hyper_parameters(self.param_groups)  # the agreement's structure
-        if error is not None:
-            raise error
-
-    def _wait_own_buffers(self):  # comm_overlap: the hooks issued them; agree, wait, scale
-        self._scheduler.wait_and_agree(self._flag_groups(), self._flags_device())
 
     # ---- per-rank checkpoints (consolidated ones: relgrad_extras/checkpoint.py) ----
 
@@ -522,28 +471,17 @@ class _Sharding(_Wrapper):
         return None
 
 
-def _none_like(value):
-    return (None,) * len(value) if isinstance(value, tuple) else None
-
-
-def _remove_hooks(handles):
-    for handle in handles.values():
-        handle.remove()
-
-
 def _check_grad_clip(grad_clip):
     """None, or a Paddle-style clip (`clip_norm`, `grad_clip(params_grads, groups, device)`)."""
     if grad_clip is not None and not (callable(grad_clip) and hasattr(grad_clip, "clip_norm")):
-        raise TypeError(f"grad_clip must be None or a Paddle-style clip such as relgrad_extras."
-                        f"grad_clip.ClipGradByGlobalNorm, got {type(grad_clip).__name__}; for "
-                        "torch's clip call opt.clip_grad_norm_(max_norm) before opt.step()")
+        raise TypeError(f"grad_clip must be None or a Paddle-style clip (relgrad_extras.grad_clip"
+                        f"), got {type(grad_clip).__name__}; torch's: opt.clip_grad_norm_(c)")
     return grad_clip
 
 
 def _comm_buffer_bytes(sharding_config, default_mb=256):
     """Bytes per bucket: [later] `sharding_configs.comm_buffer_size_MB`, else `default_mb`."""
-    mb = getattr(sharding_config, "comm_buffer_size_MB", None)
-    return (default_mb if mb is None else mb) * 1024 * 1024
+    return (getattr(sharding_config, "comm_buffer_size_MB", None) or default_mb) * 1024 * 1024
 
 
 class DygraphShardingOptimizer(_Sharding):
@@ -568,10 +506,7 @@ class DygraphShardingOptimizer(_Sharding):
         if self.comm_overlap:
             config = strategy.hybrid_configs["sharding_configs"]
             self._build_owner_buffers(config.accumulate_steps, _comm_buffer_bytes(config))
-        self._finish_clear(None)  # the state as built: nothing written yet
-
-    def _own_buffers(self):
-        return self._comm_buffers
+        self._finish_clear()  # the state as built: nothing written yet
 
     def _partition_parameters(self, params=None):
         """Largest first, to the least loaded rank (develop's FLAGS_sharding_sort_parameters)."""
@@ -604,8 +539,8 @@ class DygraphShardingOptimizer(_Sharding):
         """Each grad (1/nranks) to its owner; nothing under pipeline overlap (as new_frl)."""
         if self.pp_overlap:
             return
-        if self.comm_overlap:  # the hooks issued the reduces during backward
-            return self._wait_own_buffers()
+        if self.comm_overlap:  # the hooks issued the reduces: agree, wait, scale
+            return self._scheduler.wait_and_agree(self._flag_groups(), self._flags_device())
         densify_grads(parameter_list)  # c10d has no sparse reduce
         works = []
         for p in parameter_list:
@@ -621,22 +556,17 @@ class DygraphShardingOptimizer(_Sharding):
 
     def add_param_group(self, param_group):
         """torch's: the new params get owners (call it alike on every rank; not under overlap)."""
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
         if self.pp_overlap or self.comm_overlap:
             raise ValueError("add_param_group is not supported with " + (
                 "pp_configs.sharding_comm_overlap" if self.pp_overlap else
                 "sharding_configs.comm_overlap") + ": the fused buffers are built at "
                 "construction; build the torch optimizer with every group first")
-        known = {id(p) for p in self._parameter_list}
-        if any(id(p) in known for p in params) or len({id(p) for p in params}) < len(params):
-            raise ValueError("add_param_group: some params are already in the optimizer (or "
-                             "repeated); a param belongs to one group")
+        params = new_params(param_group["params"], self._parameter_list)
         self._param2rank.update(self._partition_parameters(params))
         self._parameter_list += params
         owned = [p for p in params if self._param2rank[p] == self._rank]
         self._inner_opt.add_param_group({**param_group, "params": owned})
-        self._finish_clear(None)
+        self._finish_clear()
 
     def _reduce_for_step(self, entry=None, rules=()):
         """step()'s first half: agree, reduce to the owners, dp all-reduce of owned grads."""
@@ -645,9 +575,9 @@ class DygraphShardingOptimizer(_Sharding):
             if not some_rank:  # a zeroed grad nobody wrote: not stepped (torch: None)
                 clear_grad_func(p, set_to_zero=False)
         self.reduce_gradients(self._parameter_list, self._hcg)
-        if self._dp_sync:
-            all_reduce_mean([g for p in self._parameter_list if self._param2rank[p] == self._rank
-                             and (g := _grad(p)) is not None], self._hcg.get_data_parallel_group())
+        if self._dp_sync:  # the owned grads
+            all_reduce_mean([g for _, g in self._clip_pairs() if g is not None],
+                            self._hcg.get_data_parallel_group())
 
     def _sync_params(self):
         """Paddle's `_sharding_sync_parameters`: every param from its owner."""
@@ -660,8 +590,9 @@ class DygraphShardingOptimizer(_Sharding):
     def clear_grad(self, set_to_zero=True):
         """Zero or drop every grad, then free its own buffers (release, comm_overlap). Beyond
         Paddle's v1: dropping grads a persistent buffer holds raises, as v2's seed does."""
-        if not set_to_zero and (self.pp_overlap or self.comm_overlap) and not (
-                self._buffers_released):
+        persistent = (not self._pp_flag if self.pp_overlap  # the pipeline's: the PP flag alone
+                      else self.comm_overlap and not self.pp_release_grads)
+        if persistent and not set_to_zero:
             raise ValueError(_ERASE_MSG)
         error = self._settle_for_clear()  # beyond Paddle: own overlap in flight
         for p in self._parameter_list:
@@ -702,9 +633,8 @@ class DygraphShardingOptimizerV2(_Sharding):
         if not any(isinstance(optimizer, c) and step is inspect.unwrap(c.step)
                    for c in _ELEMENTWISE):
             names = ", ".join(c.__name__ for c in _ELEMENTWISE)
-            raise ValueError(f"sharding v2 (split_param) steps flat 1-D slices, so it needs an "
-                             f"element-wise optimizer ({names} or a subclass keeping their "
-                             f"step); got {type(optimizer).__name__}. Use sharding v1 instead")
+            raise ValueError(f"sharding v2 steps flat slices, so it needs an element-wise "
+                             f"optimizer ({names}); got {type(optimizer).__name__}: use v1")
         self._slice_params = {p: torch.nn.Parameter(p.new_empty(0), p.requires_grad)
                               for p in self._parameter_list}
         slices = [[self._slice_params[p] for p in g["params"]] for g in optimizer.param_groups]
@@ -714,7 +644,7 @@ class DygraphShardingOptimizerV2(_Sharding):
         config = strategy.hybrid_configs["sharding_configs"]
         # [later] comm_buffer_size_MB: `_build_comm_buffers(acc_steps, size_MB * 1024 * 1024)`
         self._build_comm_buffers(config.accumulate_steps, _comm_buffer_bytes(config))
-        self._finish_clear(None)  # the state as built (release off: the buffer's views)
+        self._finish_clear()  # the state as built (release off: the buffer's views)
 
     def _build_comm_buffers(self, acc_steps, group_size=256 * 1024 * 1024):
         if self.pp_overlap:
@@ -731,9 +661,6 @@ class DygraphShardingOptimizerV2(_Sharding):
         plug_free_in_comm(self._comm_buffer_list, self._free_grads_in_comm)  # [later]
         for buffer in self._comm_buffer_list if self.comm_overlap else ():  # [later]
             self._scheduler.add(buffer)  # Paddle's register_reduce_overlap_hook(use_comm=True)
-
-    def _own_buffers(self):
-        return self._comm_buffer_list
 
     @torch.no_grad()
     def clear_grad(self, set_to_zero=True):
@@ -772,9 +699,8 @@ class DygraphShardingOptimizerV2(_Sharding):
                     self._comm_buffer_list.append(ref())
         if not self._comm_buffer_list and self.pp_overlap and any(
                 p.requires_grad for p in self._parameter_list):
-            raise RuntimeError("sharding v2 found no REDUCE_SCATTER buffers: under "
-                               "pp_configs.sharding_comm_overlap the pipeline builds them in "
-                               "its first train_batch; step() must run inside train_batch")
+            raise RuntimeError("sharding v2 found no buffers: under pp sharding_comm_overlap "
+                               "the pipeline builds them; step() must run in train_batch")
         if getattr(self, "_pending_state", None) is not None:  # loaded before the buffers
             extras("checkpoint", "a consolidated state").apply_pending(self)
 
@@ -784,7 +710,7 @@ class DygraphShardingOptimizerV2(_Sharding):
         if self.pp_overlap:
             return
         if self.comm_overlap:  # [later] the hooks issued the reduce-scatters
-            return self._wait_own_buffers()
+            return self._scheduler.wait_and_agree(self._flag_groups(), self._flags_device())
         for comm_buffer in self._comm_buffer_list:
             self._relink_grads(comm_buffer)  # beyond Paddle: release off, rebound grads
             # Seed hunk: with release and no buffer yet, copy every param's grad in first
@@ -799,7 +725,7 @@ class DygraphShardingOptimizerV2(_Sharding):
     def _relink_grads(self, comm_buffer):
         """Beyond Paddle: release off, a grad rebound (model.zero_grad()) goes back to its slot."""
         for param in comm_buffer.params if not self.pp_release_grads else ():
-            slot = comm_buffer._sharding_param_grad_view[param]._slice_grad_from_buffer()
+            slot = comm_buffer._slot(param)
             densify_grads([param])
             grad = _grad_of(param, comm_buffer.use_main_grad)
             if grad is None or grad.data_ptr() != slot.data_ptr():
@@ -849,34 +775,30 @@ class DygraphShardingOptimizerV2(_Sharding):
                         _share_param_buffer(p, storage, index)
                     else:
                         moved.append(p)
-                if buf.use_main_grad != hasattr(p, "main_grad") or (
-                        not buf.use_main_grad and getattr(p, "main_grad", None) is not None):
+                if buf.use_main_grad != hasattr(p, "main_grad"):
                     main_grad.append(p)
         unfrozen = [p for p in self._parameter_list if p.requires_grad and p not in in_buffer]
         index = {p: i for i, p in enumerate(self._parameter_list)}
         return [(rule, ", ".join(f"param #{index[p]} (shape {tuple(p.shape)}, {p.dtype})"
                                  for p in found) or None) for rule, found in [
-            ("a param is no longer a view of v2's flat param buffer and has another dtype or "
-             "device (e.g. model.to(torch.float64) after building); build the optimizer after "
-             "moving the model", moved),
-            ("a param frozen when DygraphShardingOptimizerV2 was built requires grad now; it has "
-             "no slot, so it would never train. Build the optimizer after unfreezing", unfrozen),
-            ("a param's main_grad does not match its bucket (main_grad iff its params had one "
-             "at construction): register_main_grad_hooks on every param before building",
-             main_grad)]]
+            ("a param moved to another dtype or device since v2 was built (model.to(...)): "
+             "build the optimizer after moving the model", moved),
+            ("a param frozen when DygraphShardingOptimizerV2 was built requires grad now (it has "
+             "no slot): build the optimizer after unfreezing", unfrozen),
+            ("a param's main_grad does not match its bucket: register_main_grad_hooks on every "
+             "param before building", main_grad)]]
 
     def _clip_pairs(self):
         """What a clip reads: this rank's slice grads, without padding."""
-        views = [(p, v) for b in self._comm_buffer_list for p, v in
-                 b._sharding_param_grad_view.items()]
-        return [(p, grad[: min(v._param_end, v._index + p.numel()) - v._param_begin])
-                for p, v in views if (grad := _grad(self._slice_params[p])) is not None]
+        return [(p, grad[: v._local_end - v._param_begin]) for b in self._comm_buffer_list
+                for p, v in b._sharding_param_grad_view.items()
+                if (grad := _grad(self._slice_params[p])) is not None]
 
     def _ownership(self):
         if not self._comm_buffer_list:  # under pipeline overlap, before the first train_batch
             return {"slices": None}
         views = {p: v for b in self._comm_buffer_list for p, v in
                  b._sharding_param_grad_view.items()}
-        return {"slices": [(v._param_begin - v._index, min(v._param_end, v._index + p.numel())
-                            - v._param_begin) if (v := views.get(p)) is not None and v._has_local
-                           else None for p in self._parameter_list]}
+        return {"slices": [(v._param_begin - v._index, v._local_end - v._param_begin)
+                           if (v := views.get(p)) is not None and v._has_local else None
+                           for p in self._parameter_list]}

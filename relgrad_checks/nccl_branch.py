@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import comm_buffer
 from relgrad import register_main_grad_hooks
-from relgrad import agree_on_devices, group_timeout
+from comm_buffer import agree
+from relgrad import SET_DEVICE_FIX, group_timeout
 from pipeline import PipelineParallel, PipelineStageTimeout
 from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig
 from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_bitwise, _assert_moved,
@@ -280,13 +281,15 @@ def timeouts_any_backend(rank, world):
 
 
 def device_agreement(rank, world):
-    """`agree_on_devices` with a problem on the last rank only raises the same ValueError on
-    every rank (naming that rank and the set_device line), with none returns quietly."""
-    agree_on_devices(None, [None], "DygraphShardingOptimizerV2")
+    """check_current_device's agreement through the store, with a problem on the last rank
+    only, raises the same ValueError on every rank (naming that rank and the set_device
+    line); with none it returns quietly."""
+    rule = f"DygraphShardingOptimizerV2: {SET_DEVICE_FIX}"
+    agree([None], [(rule, None)], via_store=True)
     problem = "params on cuda:1 but the current CUDA device is cuda:0" if rank == world - 1 \
         else None
     try:
-        agree_on_devices(problem, [None], "DygraphShardingOptimizerV2")
+        agree([None], [(rule, problem)], via_store=True)
     except ValueError as error:
         return str(error)
     return None

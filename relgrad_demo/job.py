@@ -147,8 +147,8 @@ class PipelineRun:
     def buffers(self):
         """Each fused grad buffer: who built it, its collective, params and bytes (when
         allocated; with release they exist only from the first backward to the step's end)."""
-        own = set(map(id, self.optimizer._own_buffers()
-                      if hasattr(self.optimizer, "_own_buffers") else []))
+        own = set(map(id, self.optimizer.comm_buffers
+                      if hasattr(self.optimizer, "comm_buffers") else []))
         pipeline = {id(b) for bs in self.model._chunk_2_comm_buffers.values() for b in bs}
         out = []
         for b in comm_buffers(self.model, self.optimizer):

@@ -25,7 +25,7 @@ def comm_buffers(model, optimizer):
     """Every FusedCommBuffer of the run: the pipeline's, then the sharding optimizer's own
     (v2's non-overlap buffers, or v1 / v2's under sharding_configs.comm_overlap)."""
     buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]
-    own = optimizer._own_buffers() if hasattr(optimizer, "_own_buffers") else []
+    own = optimizer.comm_buffers if hasattr(optimizer, "comm_buffers") else []
     return buffers + [b for b in own if b not in buffers]
 
 

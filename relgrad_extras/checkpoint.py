@@ -83,7 +83,7 @@ def _local_pieces(opt):
         for i, p in enumerate(opt._parameter_list):
             view = views.get(p)  # None: frozen at construction, never stepped
             if view is not None and view._has_local:
-                real = min(view._param_end, view._index + p.numel()) - view._param_begin
+                real = view._local_end - view._param_begin
                 pieces[i] = (opt._slice_params[p], view._param_begin - view._index, real, view)
     else:
         for i, p in enumerate(opt._parameter_list):
