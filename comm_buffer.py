@@ -361,10 +361,14 @@ class FusedCommBuffer:
 
     def __init__(self, id, params, comm_group, acc_steps=1, act=None, dst=-1,
                  use_main_grad=None, fuse_param=False, scale_after_comm=True, release_grads=False):
+        # Seed hunk (reconstructed, point 5): fuse_param with release is refused (an assert)
+        if fuse_param and release_grads:
+            raise ValueError("FusedCommBuffer: fuse_param=True and release_grads=True cannot be "
+                             "used together (as in Paddle)")
+
         params = list(params)
-        problem = _bad_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param,
-                                   release_grads, use_main_grad)  # beyond Paddle's asserts
-        if problem:
+        if problem := _bad_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param,
+                                       use_main_grad):  # beyond Paddle's asserts (skippable)
             raise ValueError(f"FusedCommBuffer: {problem}")
         self._id, self._params, self._acc_steps = id, params, acc_steps
         self._index = {p: i for i, p in enumerate(params)}
@@ -428,7 +432,7 @@ class FusedCommBuffer:
 
     def add_grad(self, param, use_comm=True):
         """Check `param` in for this micro-batch; issue the collective once all are in."""
-        self._check_check_in(param)  # beyond Paddle: misplaced, hooks, release, address
+        self._check_check_in(param)  # beyond Paddle (skippable): raises on a misuse
         # Seed hunk (reconstructed, point 2): release moves the grad in; else the address check
         if self._release_grads:
             self._copy_grad_to_buffer(param)
@@ -611,12 +615,8 @@ def _drop_aliasing_grads(params, use_main_grad, storage):
                 _set_grad(p, use_main_grad, None)
 
 
-def _bad_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param, release_grads,
-                     use_main_grad):  # what is wrong with FusedCommBuffer's arguments, or None
-    # Seed hunk (reconstructed, point 5): fuse_param with release is refused
-    if fuse_param and release_grads:
-        return "fuse_param=True and release_grads=True cannot be used together (as in Paddle)"
-
+def _bad_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param, use_main_grad):
+    """What else is wrong with FusedCommBuffer's arguments, or None (beyond Paddle's asserts)."""
     acts = (HOOK_ACTION.ALL_REDUCE, HOOK_ACTION.REDUCE, HOOK_ACTION.REDUCE_SCATTER)
     without = [i for i, p in enumerate(params) if not hasattr(p, "main_grad")]
     frozen = [i for i, p in enumerate(params) if not p.requires_grad]

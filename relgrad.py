@@ -37,8 +37,8 @@ class PpConfig:
     enable_timer: bool = False  # 3: Paddle's pipeline timers; not implemented, must be False
     sharding_comm_overlap: bool = False  # 4: sharding reduce(-scatter) during backward
     profiling: bool = False  # 5: Paddle's profiler hooks; not implemented, must be False
-    # Seed hunk: field 6. Fused grad buffers are allocated at a step's first grad check-in
-    # and freed after its optimizer step.
+    # Seed hunk: field 6. Fused grad buffers are allocated when a step's first grad is checked
+    # in (v2 without overlap: at step()) and freed after its optimizer step.
     release_gradients: bool = False
     # Not a proto field: PipelineLayer's model chunks per rank (> 1: interleave, extras)
     num_virtual_pipeline_stages: int = 1

@@ -599,7 +599,7 @@ class DygraphShardingOptimizer(_Sharding):
             clear_grad_func(p, set_to_zero)
         for comm_buffer in self._comm_buffers if self.pp_release_grads else ():
             comm_buffer._clear_grad_storage()
-        self._finish_clear(error)
+        self._finish_clear(error)  # beyond Paddle (skippable): the next step's state
 
     def _clip_pairs(self):
         """What a clip reads: the grads this rank owns, reduced."""
@@ -670,7 +670,7 @@ class DygraphShardingOptimizerV2(_Sharding):
             raise ValueError(_ERASE_MSG)
 
         self._check_pipeline_buffers_kept(set_to_zero)  # [later, #64517] not skippable
-        error = self._settle_for_clear()  # beyond Paddle: own overlap in flight
+        error = self._settle_for_clear()  # beyond Paddle: [later] own overlap's in flight
         for p in self._parameter_list:
             clear_grad_func(p, set_to_zero)
         for slice_param in self._slice_params.values() if self.pp_release_grads else ():
@@ -681,7 +681,7 @@ class DygraphShardingOptimizerV2(_Sharding):
             for comm_buffer in self._comm_buffer_list:
                 comm_buffer._clear_grad_storage()
 
-        self._finish_clear(error)
+        self._finish_clear(error)  # beyond Paddle (skippable): the next step's state
 
     def _check_pipeline_buffers_kept(self, set_to_zero):
         """[later, PR #64517] The pipeline's buffers follow the PP flag alone: off, they persist."""
@@ -740,7 +740,7 @@ class DygraphShardingOptimizerV2(_Sharding):
                     slice_param.grad = None
                 # Seed hunk: under release, drop the slice param's stale main_grad
                 if self.pp_release_grads and hasattr(slice_param, "main_grad"):
-                    del slice_param.main_grad  # Paddle asserts it uninitialized; here: stale
+                    del slice_param.main_grad  # (Paddle also asserts it is uninitialized)
                 comm_buffer.assign_slice_grad(param, slice_param)
 
     def _reduce_for_step(self, entry=None, rules=()):
