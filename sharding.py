@@ -93,7 +93,7 @@ class BucketScheduler:
     predecessors fired (not the `held`, tied copies); `fire()` issues the rest as they are."""
 
     def __init__(self, fire_on_hook=True):
-        self.buffers, self.fire_on_hook, self.held = [], fire_on_hook, []
+        self.buffers, self.fire_on_hook, self.held, self.closed = [], fire_on_hook, [], False
         self.reset()
 
     def reset(self):
@@ -105,6 +105,11 @@ class BucketScheduler:
             p.register_post_accumulate_grad_hook(_weak_hook(BucketScheduler.check_in, self, buffer))
 
     def check_in(self, buffer, param):
+        if self.closed:  # between the optimizer's step() and its zero_grad()
+            raise ValueError(f"bucket {buffer._id}: a backward reached its params after step() "
+                             "and before zero_grad(): another model's loss reaches them (a GAN's"
+                             " generator loss through D): requires_grad_(False) on them for that"
+                             " backward, or detach() their output (the fake batch) before it")
         if buffer._task is not None or param not in buffer._params_step_dict:
             self.extra[id(param)] += 1
             return
@@ -305,6 +310,7 @@ class _Sharding(_Wrapper):
         counts), hook every trainable param (unfrozen since, too) to report its backward."""
         self._hyper_shape = hyper_parameters(self.param_groups)  # the agreement's structure
         self._written.clear()
+        self._scheduler.closed = False
         self._as_cleared = {id(p): id(g) for p in self._parameter_list
                             if (g := _grad(p)) is not None}
         mark = self._written.add
@@ -367,7 +373,7 @@ class _Sharding(_Wrapper):
             if self._grad_clip is not None:  # Paddle's: on the reduced grads this rank steps
                 self._grad_clip(self._clip_pairs(), norm_groups(self._hcg), self._flags_device())
         self._inner_opt.step()
-        self._phase = "stepped"
+        self._phase, self._scheduler.closed = "stepped", self.comm_overlap
         self._sync_params()
 
     def _first_half(self, entry=None, rules=()):

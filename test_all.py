@@ -32,9 +32,8 @@ from torch import nn
 
 import comm_buffer
 from relgrad_checks import (checkpoints, clipping, contract, demo_peers, drift, failures,
-                            fused_buffer, interleave, loops, nccl_branch, pipe, recipes,
-                            scripts, sharding_overlap,
-                            zero)
+                            fused_buffer, habits, interleave, loops, nccl_branch, pipe, recipes,
+                            scripts, sharding_overlap, zero)
 from relgrad_demo import cli
 from relgrad_demo.memory import live_grad_bytes
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
@@ -1082,7 +1081,7 @@ def test_live_grad_bytes():
 
 def _recipe(name):
     found = recipes.readme_recipes()
-    assert set(found) == {"a", "b", "c", "d", "e", "f"}, f"recipes: {sorted(found)}"
+    assert set(found) == {"a", "b", "c", "d", "e", "f", "skip"}, f"recipes: {sorted(found)}"
     return found[name]
 
 
@@ -1099,23 +1098,29 @@ def _moved(params, start, at_least=1e-3):
     assert max((p - s).abs().max().item() for p, s in zip(params, start)) > at_least
 
 
-def _check_mlp_recipe(tmp_path, files, source):
+def _check_mlp_recipe(tmp_path, files, source, clip=None):
     """Run a recipe (`files`, `source` from `_recipe`: comm_buffer.py alone, the recipes' MLP,
-    6 steps) on 2 ranks from `tmp_path`; assert both ranks end at one process's params,
-    which moved."""
+    6 steps) on 2 ranks from `tmp_path`; assert both ranks end at one process's params (with
+    torch's clip at `clip`), which moved."""
     assert files == ["comm_buffer.py"]
     codes, outputs, params = recipes.run_recipe(tmp_path, files, source, world=2)
     assert codes == [0, 0], outputs
-    want = recipes.reference(recipes._mlp(), range(6), rows=16)
+    want = recipes.reference(recipes._mlp(), range(6), rows=16, clip=clip)
     _moved(want, [p.detach() for p in recipes._mlp().parameters()])
     assert len(params) == 2
     for rank_params in params:
         _assert_params(rank_params, want)
 
 
-def test_recipe_dp_fused_buffer(tmp_path):
-    """Check that README recipe (a), comm_buffer.py alone on 2 ranks, equals one process."""
-    _check_mlp_recipe(tmp_path, *_recipe("a"))
+@pytest.mark.parametrize("release", [True, False])
+def test_recipe_dp_fused_buffer(tmp_path, release):
+    """Check that README recipe (a), comm_buffer.py alone on 2 ranks seeded apart, with
+    release on and off and torch's clip after scale_grads(), equals one process."""
+    files, source = _recipe("a")
+    assert "torch.manual_seed(rank)" in source and ", 4, True  #" in source
+    source = source.replace(", 4, True  #", f", 4, {release}  #")
+    assert "buffer.release()" in source and "_clear_grad_storage" not in source
+    _check_mlp_recipe(tmp_path, files, source, clip=1.0)
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -1314,12 +1319,12 @@ def test_drift_every_snippet_is_run():
 
 
 def test_drift_copy_table_names_each_recipes_files():
-    """Check that the README's copy table names, for every recipe, the files its snippet is
-    run with (the recipe's tag), and the test that runs it."""
+    """Check that the README's copy table names, for every lettered recipe, the files its
+    snippet is run with (the recipe's tag), and the test that runs it."""
     text = (drift.REPO / "README.md").read_text()
     rows = re.findall(r"^\| \((\w)\) [^|]+ \| ([^|]+) \| [^|]+ \| `(\w+)` \|$", text, re.M)
     found = recipes.readme_recipes()
-    assert sorted(name for name, _, _ in rows) == sorted(found), rows
+    assert sorted(name for name, _, _ in rows) == sorted(n for n in found if len(n) == 1), rows
     source = Path(__file__).read_text()
     tests = {node.name: ast.get_source_segment(source, node)
              for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
@@ -2200,3 +2205,83 @@ def test_plan_matches_main_job(main_job, ranks, tmp_path):
     assert len(rows) == 8 and sorted({r["mode"] for r in rows}) == ["off", "on"]
     assert all(r["buffer"][0] > 100_000 for r in rows)
     assert not plan.out_of_bounds(rows), plan.out_of_bounds(rows)
+
+
+# ---------------------------------------------------------------- habits DDP users bring
+
+def test_skipped_backward_then_zero_grad_on_every_rank(ranks):
+    """Check that under sharding's own overlap (v1, v2, release on and off) a rank that skips
+    its backward, then zero_grad() on every rank, raises the same ValueError on both ranks
+    within the run's timeout, and the steps after it match one process over those steps."""
+    results = ranks(2).run(habits.skipped_backward, timeout=60)
+    assert len(results) == 2
+    (out0, oracle), (out1, _) = results
+    assert sorted(out0) == sorted(out1) and len(out0) == 4
+    for case in out0:
+        _same_error([out0[case][0], out1[case][0]], 2, "collectives in flight: every rank "
+                    "settled and cleared this step")
+        for params in (out0[case][1], out1[case][1]):
+            _assert_params(params, oracle, atol=1e-6)
+
+
+def test_lr_differs_across_ranks_raises(ranks):
+    """Check that an lr set by hand to another value on one rank (v1, v2, own overlap off and
+    on) raises the same ValueError at step() on every rank, naming the key and both values,
+    and that with the lr set back training matches one process."""
+    results = ranks(2).run(habits.lr_per_rank, timeout=60)
+    assert len(results) == 2
+    (out0, oracle), (out1, _) = results
+    assert sorted(out0) == sorted(out1) and len(out0) == 4
+    for case in out0:
+        _same_error([out0[case][0], out1[case][0]], 2, "param_groups[0]['lr'] differs across "
+                    "ranks: 0.01 on global rank(s) [0], 0.02 on global rank(s) [1]")
+        for params in (out0[case][1], out1[case][1]):
+            _assert_params(params, oracle, atol=1e-6)
+
+
+def test_gan_two_optimizers_message(ranks):
+    """Check that a GAN with two sharding optimizers in DCGAN's loop order, whose generator
+    loss reaches D's params, raises the same error on every rank naming the cause and both
+    fixes (v1 release on, v2 release off), and that with D frozen for G's backward both
+    models train as one process does."""
+    results = ranks(2).run(habits.gan, timeout=60)
+    assert len(results) == 2
+    (out0, oracle), (out1, _) = results
+    assert sorted(out0) == sorted(out1) == [1, 2]
+    for version in (1, 2):
+        _same_error([out0[version][0], out1[version][0]], 2, "a backward reached its params "
+                    "after step() and before zero_grad(): another model's loss reaches them")
+        assert "requires_grad_(False)" in out0[version][0][1]
+        assert "detach()" in out0[version][0][1]
+        for params in (out0[version][1], out1[version][1]):
+            _assert_params(params, oracle, atol=1e-6)
+
+
+def test_bare_buffer_in_flight_and_comm_group(ranks):
+    """Check that the bare FusedCommBuffer raises the same ValueError on every rank for a grad
+    changed while its all-reduce is in flight (on one rank), that clearing and releasing then
+    trains on as one process does over the later steps, and that a comm_group whose ranks hold
+    other buckets raises on every rank at build, naming comm_group."""
+    results = ranks(2).run(habits.bare_buffer, timeout=60)
+    assert len(results) == 2
+    _same_error([r[0] for r in results], 2, "changed in place while its bucket's collective "
+                "was in flight")
+    assert "clip after" in results[0][0][1] or "after scale_grads()" in results[0][0][1]
+    for _, params, oracle, _ in results:
+        _assert_params(params, oracle, atol=1e-6)
+    _same_error([r[3] for r in results], 2, "every rank of comm_group must build this bucket")
+    assert "hcg.get_data_parallel_group()" in results[0][3][1]
+
+
+def test_recipe_agreed_skip(tmp_path):
+    """Check that docs/contract.md's agreed skip (a bad batch on one rank, sharding's own
+    overlap, release) runs on 2 ranks and equals one process that skips the same step."""
+    files, source = _recipe("skip")
+    assert sorted(files) == ["comm_buffer.py", "relgrad.py", "sharding.py"]
+    codes, outputs, params = recipes.run_recipe(tmp_path, files, source, world=2)
+    assert codes == [0, 0], outputs
+    want = recipes.reference(recipes._mlp(), [0, 1, 3, 4, 5], rows=16)
+    _moved(want, recipes.reference(recipes._mlp(), range(6), rows=16), at_least=1e-4)
+    assert len(params) == 2
+    for rank_params in params:
+        _assert_params(rank_params, want)
