@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from torch import nn
 
 import comm_buffer
@@ -1081,7 +1082,7 @@ def test_live_grad_bytes():
 
 def _recipe(name):
     found = recipes.readme_recipes()
-    assert set(found) == {"a", "b", "c", "d", "e", "f", "skip"}, f"recipes: {sorted(found)}"
+    assert set(found) == {"a", "b", "c", "d", "e", "f", "g", "skip"}, f"recipes: {sorted(found)}"
     return found[name]
 
 
@@ -2285,3 +2286,56 @@ def test_recipe_agreed_skip(tmp_path):
     assert len(params) == 2
     for rank_params in params:
         _assert_params(rank_params, want)
+
+
+def test_recipe_torch_pipelining(tmp_path):
+    """Check that docs recipe (g), recipe (a) under torch.distributed.pipelining (Schedule1F1B,
+    pp 2 x dp 2, the global-norm clip over the pp group), equals one process on every rank's
+    stage, and that with torch's default scale_grads=True every rank raises the in-flight
+    error instead of training silently wrong."""
+    files, source = _recipe("g")
+    assert files == ["comm_buffer.py"] and "scale_grads=False)" in source
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "scaled").mkdir()
+    codes, outputs, params = recipes.run_recipe(tmp_path / "ok", files, source, world=4)
+    assert codes == [0, 0, 0, 0], outputs
+    want = recipes.reference(recipes._mlp(), range(6), rows=16, clip=1.0)
+    _moved(want, [p.detach() for p in recipes._mlp().parameters()])
+    assert len(params) == 4 and len(want) == 4
+    for rank, rank_params in enumerate(params):  # ranks 0, 1: stage 0; 2, 3: stage 1
+        _assert_params(rank_params, want[:2] if rank < 2 else want[2:])
+    wrong = source.replace("scale_grads=False)", "scale_grads=True)")
+    codes, outputs, _ = recipes.run_recipe(tmp_path / "scaled", files, wrong, world=4,
+                                           save=False)
+    assert len(codes) == 4 and all(code not in (0, None) for code in codes), outputs
+    assert all("changed in place while its bucket's collective was in flight" in out
+               for out in outputs), outputs
+
+
+def test_plain_torch_grouping_noise():
+    """Check the tolerance statement of docs/recipes.md: on the recipes' MLP, plain torch moves
+    the params by less than 1e-7 after 6 steps when only the grouping of the rows changes
+    (1 vs 2, 4, 8 micro-batches), and by more than 1e-4 under bf16 autocast with a clip."""
+    def train(groups, autocast=False, clip=None):
+        model = recipes._mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(6):
+            x, y = recipes._batch(step, 16)
+            for xm, ym in zip(x.chunk(groups), y.chunk(groups)):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    out = model(xm)
+                (F.mse_loss(out.float(), ym) / groups).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+        return [p.detach() for p in model.parameters()]
+
+    def moved(a, b):
+        assert len(a) == len(b) == 4
+        return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+    whole = train(1)
+    assert all(0 <= moved(whole, train(g)) < 1e-7 for g in (2, 4, 8))
+    autocast = train(1, autocast=True, clip=1.0)
+    assert max(moved(autocast, train(g, autocast=True, clip=1.0)) for g in (2, 4)) > 1e-4
