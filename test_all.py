@@ -754,29 +754,46 @@ def _check_trace(trace, world, micro_batches):
 
 
 def test_main_job_plot(main_job):
-    """Check that --plot writes a picture that decodes, with one panel per rank and one line
-    per mode whose values are the samples the run recorded (its --json step_trace), the
-    phase marks its phase boundaries (the main job's run, shared with test_main_job_json)."""
+    """Check that --plot writes a picture that decodes, one panel per stage (its first rank),
+    whose lines are the run's own samples (its --json step_trace) on the phase axis, with the
+    phase marks on their lines at the same positions for release off and on, and whose band
+    shows the fused grad buffer flat with release off and 0 -> buffer -> 0 with release on,
+    held only from the first backward to the release (the main job's run, shared)."""
     from matplotlib.image import imread
+    from relgrad_demo.plot import BOUNDARIES, phase_x
     result, _, png = main_job
     image = imread(png)
     assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 200, image.shape
     assert image.std() > 0.01, "a blank picture"
-    panels, modes = result["plot"]["panels"], result["modes"]
-    assert result["plot"]["file"] == str(png) and len(panels) == len(result["stages"]) == 4
-    for rank, panel in enumerate(panels):
-        assert panel["title"].startswith(f"rank {rank} (stage {result['stages'][rank]})\n")
+    panels, modes, stages = result["plot"]["panels"], result["modes"], result["stages"]
+    assert result["plot"]["file"] == str(png) and len(panels) == len(set(stages)) == 2
+    for panel in panels:
+        rank = panel["rank"]
+        assert rank == stages.index(stages[rank]) and panel["title"] == (
+            f"rank {rank} (stage {stages[rank]})")
         assert [line["run"] for line in panel["lines"]] == ["off", "on"]
         assert [mark["run"] for mark in panel["marks"]] == ["off", "on"]
         for line, marks in zip(panel["lines"], panel["marks"]):
             trace = modes[line["run"]]["step_trace"][rank]
-            assert len(trace["t_ms"]) == len(trace["bytes"]) >= 3
-            assert line["t_ms"] == trace["t_ms"] and line["bytes"] == trace["bytes"]
-            assert trace["t_ms"] == sorted(trace["t_ms"]) and trace["t_ms"][0] >= 0
-            phases = [p for p in trace["phases"] if p is not None]
-            assert len(trace["phases"]) == len(_PHASES) and len(phases) == len(_PHASES)
-            assert [[t, b] for t, b in zip(marks["t_ms"], marks["bytes"])] == phases
-            assert all(0 <= t <= trace["t_ms"][-1] for t, _ in phases)
+            assert len(trace["phases"]) == len(BOUNDARIES) and None not in trace["phases"]
+            points = [(phase_x(t, trace["phases"]), b)
+                      for t, b in zip(trace["t_ms"], trace["bytes"])]
+            points = [(x, b) for x, b in points if x is not None]
+            assert len(points) >= 3 * len(BOUNDARIES)
+            assert list(zip(line["x"], line["bytes"])) == points  # the run's own samples
+            assert marks["x"] == [float(i) for i in range(len(BOUNDARIES))]  # lined up
+            assert marks["bytes"] == [b for _, b in trace["phases"]]
+            assert all((x, b) in points for x, b in zip(marks["x"], marks["bytes"]))  # on it
+        off, on = ({"x": band["x"], "bytes": band["bytes"]} for band in panel["buffer"])
+        assert [band["run"] for band in panel["buffer"]] == ["off", "on"]
+        size = off["bytes"][0]
+        assert size > 0 and set(off["bytes"]) == {size}  # release off: flat at the buffer
+        assert on["bytes"][0] == on["bytes"][-1] == 0 and max(on["bytes"]) == size
+        held = [x for x, b in zip(on["x"], on["bytes"]) if b > 0]
+        assert len(held) >= 1 and 1 <= min(held) and max(held) < 6  # 1st backward .. release
+        release = BOUNDARIES.index("after release")
+        freed = [x for x, b in zip(on["x"], on["bytes"]) if b == 0 and x > min(held)]
+        assert freed and min(freed) <= release
 
 
 def test_torchrun_json():

@@ -135,6 +135,11 @@ class PipelineRun:
         return [None if t is None else (t, b) for t, b in zip(self.probe.times,
                                                               self.probe.bytes)]
 
+    def buffer_marks(self):
+        """(perf_counter ns, bytes the fused grad buffers hold) at the latest step's start and
+        at each change since (a buffer allocated or freed)."""
+        return list(self.probe.buffer_log)
+
     def counted_grad_bytes(self):
         """Bytes of the grad storages alive now, by our count (`live_grad_bytes`)."""
         return live_grad_bytes(self.model, self.optimizer,
@@ -204,7 +209,10 @@ def measure(builders, steps, batch, device, recorder, eval_batch=None, eval_ever
             if samples is not None:
                 samples.append((time.perf_counter_ns() - peak.t0, m["idle"][-1]))
                 marks = run.phase_marks() if hasattr(run, "phase_marks") else None
-                m["step_trace"] = step_trace(samples, peak.t0, marks)
+                held = run.buffer_marks() if hasattr(run, "buffer_marks") else None
+                if marks is not None and eval_batch is not None:  # the picture's eval phase
+                    marks += _trace_eval(run, ledger, eval_batch(step), samples, peak.t0)
+                m["step_trace"] = step_trace(samples, peak.t0, marks, held)
             recorder.counter(time.perf_counter_ns(), allocator_in_use_bytes(device) or 0)
             recorder.span(f"step {step + 1}", names.index(name), t0, t1)
             m["losses"].append(loss)
@@ -230,18 +238,35 @@ def measure(builders, steps, batch, device, recorder, eval_batch=None, eval_ever
     return runs, out
 
 
-def step_trace(samples, t0, marks=None):
+def _trace_eval(run, ledger, batch, samples, t0):
+    """After the last step, for the picture only (not in `eval_peak`): an eval pass sampled
+    into `samples` (ns since `t0`); returns its two boundary marks (eval start, after eval)."""
+    ledger.begin()
+    more = []
+    with PeakSampler(ledger, samples=more) as peak:
+        float(run.eval(*batch))
+    ledger.end()
+    samples += [(t + peak.t0 - t0, b) for t, b in more]
+    return [(peak.t0 + more[0][0], more[0][1]), (peak.t0 + more[-1][0], more[-1][1])]
+
+
+def step_trace(samples, t0, marks=None, held=None):
     """One step's memory as `--plot` draws it and `--json` holds it: {"t_ms": [...], "bytes":
-    [...], "phases": [[t_ms, bytes] or None per `phases.PHASES`] or None}.
+    [...], "phases": [[t_ms, bytes] or None per `phases.PHASES` (+ "eval start", "after
+    eval")] or None, "buffer": [[t_ms, bytes]] or None}.
 
     `samples`: (ns since `t0`, bytes) from `PeakSampler`, the first as the step began, the
-    next every 0.5 ms (CPU), the last after the step, garbage collected (the bytes held
-    between steps); `marks`: (perf_counter ns, bytes) per phase boundary, or None.
+    next every 0.5 ms (CPU), then after the step, garbage collected (the bytes held between
+    steps), then an eval pass's; `marks`: (perf_counter ns, bytes) per phase boundary, or
+    None; each is also a sample (so a mark sits on the line); `held`: (perf_counter ns,
+    bytes the fused grad buffers hold) at the step's start and at each change.
     """
     phases = None if marks is None else [
         None if mark is None else [(mark[0] - t0) / 1e6, mark[1]] for mark in marks]
-    return {"t_ms": [t / 1e6 for t, _ in samples], "bytes": [b for _, b in samples],
-            "phases": phases}
+    points = sorted(set([(t / 1e6, b) for t, b in samples]
+                        + [tuple(p) for p in phases or () if p is not None]))
+    return {"t_ms": [t for t, _ in points], "bytes": [b for _, b in points], "phases": phases,
+            "buffer": None if held is None else [[(t - t0) / 1e6, b] for t, b in held]}
 
 
 def warm_up_then_measure(builders, steps, batch, device, trace, eval_batch=None,

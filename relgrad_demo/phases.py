@@ -47,6 +47,7 @@ class PipelineProbe:
         self.recorder, self.tid = recorder, tid
         self.bytes, self._backwards, self._watched = [None] * len(PHASES), 0, set()
         self.times = [None] * len(PHASES)
+        self.buffer_log = []  # (perf_counter ns, bytes the fused grad buffers hold) per change
         self._release_name = "release" if model._release_gradients else "zero grads"
         self._step_end = 0
         self.phase = "forward"  # what the run is doing now, for the peak's phase
@@ -84,9 +85,21 @@ class PipelineProbe:
                 self._wrap(buffer, "scale_grads", f"wait+scale {name}",
                            lambda *a: self._enter("comm"), after=lambda *a: self._mark(4))
                 # free_grads_in_comm: a bucket may complete (scale, free) during backward
-                self._wrap(buffer, "_complete_comm", f"complete {name}")
+                self._wrap(buffer, "_complete_comm", f"complete {name}", after=self._log)
+                self._wrap(buffer, "_copy_grad_to_buffer", None, after=self._log)  # allocates
+                self._wrap(buffer, "_clear_grad_storage", None, after=self._log)  # frees
         self.phase = "forward"
         self._mark(0)
+        self.buffer_log = [(self.times[0], self._buffer_bytes())]
+
+    def _buffer_bytes(self):
+        return sum(b.grad_storage.numel() * b.grad_storage.element_size()
+                   for b in comm_buffers(self.model, self.optimizer) if b.grad_storage is not None)
+
+    def _log(self, *args):  # the buffers' bytes, when they change
+        held = self._buffer_bytes()
+        if held != self.buffer_log[-1][1]:
+            self.buffer_log.append((time.perf_counter_ns(), held))
 
     def _enter(self, phase):
         self.phase = phase

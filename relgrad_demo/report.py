@@ -35,13 +35,16 @@ lists marked "per rank" are indexed by global rank):
       step_time_iqr_s          [first, third] quartile of the same
       step_times_s             per step, the slowest rank's wall time
       param_sha256             per rank: SHA-256 of its final params' bytes (hex)
-      step_trace               per rank: the run's bytes over the last step, the samples
-                               `--plot` draws: {"t_ms": ms since the step began, "bytes":
-                               the run's bytes then, "phases": [t_ms, bytes] at each of
-                               `phases` (null: no such boundary)}; the first sample as the
-                               step begins, then one per 0.5 ms (CPU; none on GPU), then
-                               one as it ends and one after it, garbage collected (the
-                               bytes held until the next step)
+      step_trace               per rank: the run's bytes over the last step and an eval
+                               pass after it, the samples `--plot` draws: {"t_ms": ms since
+                               the step began, "bytes": the run's bytes then, "phases":
+                               [t_ms, bytes] at each of `phases` and at "eval start", "after
+                               eval" (null: no such boundary), "buffer": [t_ms, bytes the
+                               fused grad buffers hold] at the step's start and each change};
+                               the first sample as the step begins, then one per 0.5 ms
+                               (CPU; none on GPU) and each boundary's reading, one after the
+                               step, garbage collected (held until the next step), then the
+                               eval's (not counted in eval_peak_bytes)
       (other modes only, against the baseline:)
       idle_grad_bytes_allocator  per rank: baseline's idle_bytes_allocator minus this mode's:
                                  the grad bytes this mode frees between steps
@@ -52,8 +55,9 @@ lists marked "per rank" are indexed by global rank):
       bitwise_equal            losses, grad norms and final params equal the baseline's
     bitwise_equal  every mode equals the baseline bit for bit
     plot         with --plot only: what the picture holds, read back from it
-                 (`plot.draw_step`): {"file", "panels": per rank {"title", "lines": per run
-                 {"run": the mode, "t_ms", "bytes"}, "marks": the phase boundaries, alike}}
+                 (`plot.draw_step`): {"file", "panels": per stage (its first rank) {"title",
+                 "rank", "lines": per run {"run": the mode, "x": on the phase axis, "bytes"},
+                 "marks": the phase boundaries, alike, "buffer": the band's edges, alike}}
 """
 import dataclasses
 import statistics
