@@ -915,6 +915,7 @@ def _tag_names(path):
         if isinstance(node, ast.FunctionDef):
             names.add(node.name)
         if isinstance(node, ast.ClassDef):
+            names.add(node.name)
             names |= {f"{node.name}.{f.name}" for f in node.body
                       if isinstance(f, ast.FunctionDef)}
     return names
@@ -948,17 +949,20 @@ def _walk_oracle(layers):
     return out
 
 
-def _check_walk_order(events, release, buckets):
-    """The life of the buffers on one rank: built before any check-in (storage absent iff
-    release); per step and bucket, with release one allocation at the first check-in (micro-
-    batch 0) and none after, micro-batch 0 copied in, later ones added at the same offset; the
-    collective after its bucket's last check-in, then the wait; after the optimizer step only
-    the release (clear, then one free per bucket) or, off, the zeroing."""
+def _check_walk_order(events, release, buckets, hooks):
+    """The life of the buffers on one rank: the flag read, then built before any check-in
+    (storage absent iff release); per step and bucket, with release one allocation at the
+    first check-in (micro-batch 0; without `hooks`, v2's step() copies every grad in) and none
+    after, later check-ins added in place at the same offset; the collective after its
+    bucket's last check-in, then the wait; after the optimizer step only the release (clear,
+    then one free per bucket) or, off, the zeroing."""
     from relgrad_demo import walkthrough as wt
     assert len(events) > 0 and {e["kind"] for e in events} <= set(wt.KINDS)
+    assert events[0]["kind"] == "config" and events[0]["text"].endswith(str(release))
     layouts = [e for e in events if e["kind"] == "layout"]
     assert len(layouts) == buckets and all(e["allocated"] is (not release) for e in layouts)
-    first_check_in = min(i for i, e in enumerate(events) if e["kind"] in ("alloc", "copy", "add"))
+    first_check_in = min(i for i, e in enumerate(events) if e["kind"] in ("alloc", "copy",
+                                                                          "add", "comm"))
     assert max(i for i, e in enumerate(events) if e["kind"] in ("build", "layout")) < first_check_in
     for step in range(1, wt.STEPS + 1):
         seq = [e for e in events if e["step"] == step and e["kind"] not in ("build", "layout")]
@@ -977,41 +981,37 @@ def _check_walk_order(events, release, buckets):
             mine = [e for e in seq if e["bucket"] == bucket]
             kinds = [e["kind"] for e in mine]
             check_ins = [e for e in mine if e["kind"] in ("copy", "add")]
-            assert len(check_ins) > 0 and all(e["same"] for e in check_ins), kinds
+            assert all(e["same"] for e in check_ins), kinds
             if release:
                 assert kinds[0] == "alloc" and kinds.count("alloc") == 1, kinds
-                assert mine[0]["mb"] == 0 and mine[1]["kind"] == "copy", kinds
-                assert all((e["kind"] == "copy") == (e["mb"] == 0) for e in check_ins), kinds
+                assert mine[1]["kind"] == "copy", kinds
+                assert all((e["kind"] == "copy") == (e["mb"] in (0, None)) for e in check_ins)
             else:
                 assert "alloc" not in kinds and "copy" not in kinds and "free" not in kinds
-            mbs = sorted(e["mb"] for e in check_ins)
-            per_mb = len(check_ins) // wt.MICRO_BATCHES  # the bucket's params
-            assert mbs == sorted(list(range(wt.MICRO_BATCHES)) * per_mb), mbs
+            if hooks:
+                assert mine[0]["mb"] == 0, kinds
+                mbs = sorted(e["mb"] for e in check_ins)
+                per_mb = len(check_ins) // wt.MICRO_BATCHES  # the bucket's params
+                assert per_mb > 0 and mbs == sorted(list(range(wt.MICRO_BATCHES)) * per_mb), mbs
+            else:  # the seed's v2: no hooks; step() copies each param in once (release)
+                assert all(e["kind"] == "copy" and e["mb"] is None for e in check_ins), kinds
+                assert len(check_ins) == (2 if release else 0), kinds
             offsets = {}
             for e in check_ins:
                 assert offsets.setdefault(e["param"], e["offset"]) == e["offset"], kinds
-            last = max(i for i, k in enumerate(kinds) if k in ("copy", "add"))
+            last = max((i for i, k in enumerate(kinds) if k in ("alloc", "copy", "add")),
+                       default=-1)
             tail = [k for k in kinds[last + 1:] if k != "slice"]  # v2 binds its slices
             assert tail == ["comm", "wait"] + (["free"] if release else []), kinds
 
 
-@pytest.mark.parametrize("layout", ["v2", "v1", "dp"])
-def test_walkthrough(ranks, layout):
-    """Check that the walkthrough's events on every rank, release off and on, tell each
-    buffer's life in order, the reduced watched element equals the hand sum and a one-process
-    torch run, and every tag names a function that exists in the file it names."""
+def _check_walk_sums(layout, results, oracle):
+    """Each reduced watched element equals the hand sum and a one-process torch run."""
     from relgrad_demo import walkthrough as wt
-    results = ranks(wt.WORLD[layout]).run(wt.rank_walkthrough, layout)
-    assert len(results) == wt.WORLD[layout]
-    buckets = {"v2": 1, "v1": 2, "dp": 1}[layout]
-    oracle = _walk_oracle(1 if layout == "v2" else 2)
-    for r in results:
-        assert r["equal"] is True
-        for mode in wt.MODES:
-            _check_walk_order(r["events"][mode], mode == "on", buckets)
+    pipeline = not layout.startswith("v2")
     for mode in wt.MODES:
         sums = wt.hand_sums(results, mode)
-        assert len(sums) == wt.STEPS * (1 if layout == "v2" else 2)
+        assert len(sums) == wt.STEPS * (2 if pipeline else 1)
         for entry in sums:
             assert len(entry["sent"]) == 2 and len(entry["read"]) >= 1, entry
             sent = sorted(entry["sent"].items())
@@ -1023,26 +1023,54 @@ def test_walkthrough(ranks, layout):
                 replica = r["sharding"] if layout != "dp" else r["dp"]
                 assert value == local[replica][r["stage"]], (entry, local)
             assert by_hand == mean[results[sent[0][0]]["stage"]], (entry, mean)
-    lines = wt.render(layout, results)
-    tags = [re.search(r"\[(\w+\.py): ([\w.]+)\]", line) for line in lines]
-    tags = [m.groups() for m in tags if m]
-    assert len(tags) == sum(len(r["events"][m]) for r in results for m in wt.MODES)
-    known = {f: _tag_names(Path(__file__).parent / f) for f in {f for f, _ in tags}}
-    assert sorted(known) == ["comm_buffer.py", "sharding.py" if layout == "v2"
-                             else "pipeline.py"], sorted(known)
-    missing = sorted({f"{f}: {name}" for f, name in tags if name not in known[f]})
-    assert missing == [], missing
-    # every seed hunk of this layout's files shows up (the other layout function aside)
-    other = "flatten_dense_tensors" if layout == "v2" else "build_reduce_scatter_buffer"
-    hunks = {t for t in wt.SEED_HUNKS if t[0] in known and t[1] != other}
-    assert len(hunks) >= 6 and hunks <= set(tags), sorted(hunks - set(tags))
-    if layout == "v2":  # the README's cut of `--walkthrough v2` is lines it prints
-        readme = (Path(__file__).parent / "README.md").read_text()
-        cut = readme.split("Release on, rank 0, step 1 (some lines cut):\n\n```\n", 1)
-        assert len(cut) == 2, "the README's cut of --walkthrough v2 is not where it was"
-        cut = cut[1].split("```", 1)[0]
-        cut = cut.splitlines()
-        assert len(cut) >= 5 and set(cut) <= set(lines), sorted(set(cut) - set(lines))
+
+
+def test_walkthrough(ranks):
+    """Check that the walkthrough's events on every rank, release off and on, tell each
+    buffer's life in order on the seed's paths (v2 alone: the buffer filled at step(); v1 and
+    dp under the pipeline) and on v2 with its own overlap, the reduced watched element equals
+    the hand sum and a one-process torch run, every tag names a function of its file, a star
+    marks only the rows whose lines made the event and every row shows in some default layout
+    (but the two none can), the printed lines fit 120 characters and 40 per layout, and the
+    README's excerpt is lines it prints."""
+    from relgrad_demo import walkthrough as wt
+    runs = {**dict(zip(["v2", "v2-overlap"], zip(*ranks(2).run(
+                wt.rank_walkthroughs, ["v2", "v2-overlap"])))),
+            **dict(zip(["v1", "dp"], zip(*ranks(4).run(wt.rank_walkthroughs, ["v1", "dp"]))))}
+    assert sorted(runs) == sorted(wt.WORLD) and set(wt.DEFAULT) < set(runs)
+    shown, printed = set(), {}
+    for layout, results in runs.items():
+        assert len(results) == wt.WORLD[layout]
+        buckets = {"v2": 1, "v2-overlap": 1, "v1": 2, "dp": 1}[layout]
+        for r in results:
+            assert r["equal"] is True
+            for mode in wt.MODES:
+                _check_walk_order(r["events"][mode], mode == "on", buckets, layout != "v2")
+        _check_walk_sums(layout, results, _walk_oracle(1 if layout.startswith("v2") else 2))
+        events = [e for r in results for m in wt.MODES for e in r["events"][m]]
+        known = {f: _tag_names(Path(__file__).parent / f)
+                 for f in {e["file"] for e in events} | {f for f, _ in wt.ROWS.values()}}
+        missing = sorted({f"{e['file']}: {e['func']}" for e in events
+                          if e["func"] not in known[e["file"]]})
+        assert missing == [], missing
+        for e in events:  # a star only where the row's own function made the event
+            assert all(r in wt.ROWS for r in e["rows"]), e
+            assert not e["rows"] or (e["file"], e["func"]) in {wt.ROWS[r] for r in e["rows"]} \
+                or e["kind"] in ("alloc", "copy", "free", "config"), e
+        if layout in wt.DEFAULT:
+            shown |= {row for e in events for row in e["rows"]}
+        printed[layout] = wt.render(layout, results)
+        assert 20 <= len(printed[layout]) <= 40, (layout, len(printed[layout]))
+        assert max(map(len, printed[layout])) <= 120, layout
+    assert shown == set(wt.ROWS) - set(wt.NOT_SHOWN), sorted(set(wt.ROWS) - shown)
+    assert 3 in {row for e in runs["v1"][0]["events"]["on"] for row in e["rows"]}
+    assert 3 not in {row for e in runs["v2"][0]["events"]["on"] for row in e["rows"]}
+    assert 11 in {row for e in runs["v2"][0]["events"]["on"] for row in e["rows"]}
+    readme = (Path(__file__).parent / "README.md").read_text()
+    cut = readme.split("`--walkthrough v2`, rank 0, release off and on merged:\n\n```\n", 1)
+    assert len(cut) == 2, "the README's excerpt of --walkthrough v2 is not where it was"
+    cut = cut[1].split("```", 1)[0].splitlines()
+    assert len(cut) >= 8 and set(cut) <= set(printed["v2"]), sorted(set(cut) - set(printed["v2"]))
 
 
 def test_walkthrough_flags(monkeypatch, capsys):

@@ -93,11 +93,13 @@ def parse_args(argv=None):
     p.add_argument("--peers", action="store_true",
                    help="compare with torch's DDP + ZeroRedundancyOptimizer and FSDP2 instead: "
                    "sharding 2 without pipeline, 2 processes")
-    p.add_argument("--walkthrough", nargs="?", const="all", choices=("all", "v2", "v1", "dp"),
+    p.add_argument("--walkthrough", nargs="?", const="all",
+                   choices=("all", "v2", "v1", "dp", "v2-overlap"),
                    help="instead, narrate the life of the fused grad buffers on a tiny model, "
-                   "event by event, each tagged with the function that makes it happen: v2 "
-                   "(sharding v2 alone, 2 processes), v1 (pipeline 2 x sharding 2, 4), dp "
-                   "(pipeline 2 x dp 2, 4), or all three (no value)")
+                   "event by event, rank 0, release off and on merged: v2 (sharding v2 alone as "
+                   "the seed runs it, 2 processes), v1 (pipeline 2 x sharding 2, 4), dp "
+                   "(pipeline 2 x dp 2, 4), v2-overlap (v2 with its own overlap), or v2, v1 "
+                   "and dp (no value)")
     p.add_argument("--trace", metavar="FILE",
                    help="also write a Chrome trace (Perfetto, chrome://tracing) of the runs")
     p.add_argument("--plot", metavar="FILE",
