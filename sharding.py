@@ -106,10 +106,9 @@ class BucketScheduler:
 
     def check_in(self, buffer, param):
         if self.closed:  # between the optimizer's step() and its zero_grad()
-            raise ValueError(f"bucket {buffer._id}: a backward reached its params after step() "
-                             "and before zero_grad(): another model's loss reaches them (a GAN's"
-                             " generator loss through D): requires_grad_(False) on them for that"
-                             " backward, or detach() their output (the fake batch) before it")
+            raise ValueError(f"bucket {buffer._id}: a backward reached its params after step() and "
+                             "before zero_grad(): another model's loss reaches them (a GAN): "
+                             "requires_grad_(False) on them for it, or detach() the fake batch")
         if buffer._task is not None or param not in buffer._params_step_dict:
             self.extra[id(param)] += 1
             return
@@ -120,9 +119,6 @@ class BucketScheduler:
             if order[self._next]._task is None:
                 order[self._next].comm_grads()
             self._next += 1
-
-    def in_flight(self):
-        return any(b._task is not None for b in self.buffers)
 
     def fire(self, buffers=None):
         """Issue, in order, each of `buffers` (default all) not issued yet, with what it holds."""
@@ -406,11 +402,12 @@ class _Sharding(_Wrapper):
         error = None
         if self.comm_overlap and self._phase != "stepped":
             most = self._scheduler.passes()[0]
+            flying = any(b._task is not None for b in self._scheduler.buffers)
             try:
                 agree(self._flag_groups(), [(
                     "zero_grad() ran between backward and step() with comm_overlap's collectives"
                     " in flight: every rank settled and cleared this step; go on",
-                    f"{most} backward pass(es)" if self._scheduler.in_flight() else None)],
+                    f"{most} backward pass(es)" if flying else None)],
                     [("backward passes this step", most)], via_store=True)
             except ValueError as caught:
                 error = None if self._phase == "failed" else caught
