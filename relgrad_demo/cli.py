@@ -43,6 +43,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (relgrad.py --help lists the flags)\n")
 
 
+def layout_problem(pp, vpp, layers, micro_batches, sharding, free):
+    """The layout rules the main job and --plan share, as one line, or None."""
+    if pp * vpp > layers + 2:
+        return (f"--pp {pp} x --vpp {vpp} chunks exceed the {layers + 2} layers (embedding, "
+                "blocks, head): every chunk needs one; add --layers")
+    if vpp > 1 and (pp < 2 or micro_batches % pp):
+        return (f"--vpp {vpp} (interleaved 1F1B) needs --pp >= 2 and --micro-batches a "
+                f"multiple of --pp; got --pp {pp} --micro-batches {micro_batches}")
+    if free and sharding < 2:
+        return ("--free-grads-in-comm frees what a sharding rank will not read: it needs "
+                f"release and --sharding >= 2, got --sharding {sharding}")
+    return None
+
+
 def parse_args(argv=None):
     """Parse and check the flags (argparse errors exit with status 2); returns (args, opts).
 
@@ -125,15 +139,9 @@ def parse_args(argv=None):
         p.error(f"--eval-every must be >= 0 (0: no eval), got {args.eval_every}")
     if args.vpp < 1:
         p.error(f"--vpp must be >= 1, got {args.vpp}")
-    if args.pp * args.vpp > args.layers + 2:
-        p.error(f"--pp {args.pp} x --vpp {args.vpp} chunks exceed the {args.layers + 2} "
-                "layers; add --layers")
-    if args.vpp > 1 and (args.pp < 2 or args.micro_batches % args.pp):
-        p.error(f"--vpp {args.vpp} needs --pp >= 2 and --micro-batches a multiple of --pp; "
-                f"got --pp {args.pp} --micro-batches {args.micro_batches}")
-    if "free" in args.modes and args.sharding < 2:
-        p.error("--free-grads-in-comm frees what a sharding rank will not read: it needs "
-                f"--sharding >= 2, got {args.sharding}")
+    if problem := layout_problem(args.pp, args.vpp, args.layers, args.micro_batches,
+                                 args.sharding, "free" in args.modes):
+        p.error(problem)
     if args.peers:
         # only the flags that differ from what --peers runs (the defaults are not blamed)
         extra = [f"--{k} {v}" for k, v, ok in (("pp", args.pp, 2), ("sharding", args.sharding, 2),

@@ -613,15 +613,10 @@ def parse_args(argv):
     if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
         p.error(f"the heads must divide the width and the kv heads the heads: got width "
                 f"{shape.hidden}, {shape.heads} heads, {shape.kv_heads} kv heads")
-    if a.pp * a.vpp > shape.layers + 2:
-        p.error(f"--pp {a.pp} x --vpp {a.vpp} chunks exceed the {shape.layers + 2} layers "
-                "(embedding, blocks, head): every chunk needs one; add --layers")
-    if a.vpp > 1 and (a.pp < 2 or a.micro_batches % a.pp):
-        p.error(f"--vpp {a.vpp} (interleaved 1F1B) needs --pp >= 2 and --micro-batches a "
-                f"multiple of --pp; got --pp {a.pp} --micro-batches {a.micro_batches}")
-    if a.free_grads_in_comm and a.sharding < 2:
-        p.error("--free-grads-in-comm frees what a sharding rank will not read: it needs "
-                f"release and --sharding >= 2, got --sharding {a.sharding}")
+    from relgrad_demo.cli import layout_problem  # the main job's rules, written once
+    if problem := layout_problem(a.pp, a.vpp, shape.layers, a.micro_batches, a.sharding,
+                                 a.free_grads_in_comm):
+        p.error(problem)
     if a.split_param and a.sharding > 1 and a.optimizer == "lamb":
         p.error("sharding v2 (--split-param) steps flat 1-D slices, so it needs an "
                 "element-wise optimizer (adamw, sgd); lamb reads whole-param norms: use v1")
