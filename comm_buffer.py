@@ -468,7 +468,7 @@ class FusedCommBuffer:
     def _copy_grad_to_buffer(self, param):
         """Release, at the param's first check-in of a step: allocate the buffer if absent, add
         the grad into its slot, re-point the grad at the slot (later ones accumulate there)."""
-        _fill_grad(param, self.use_main_grad)  # beyond Paddle: sparse made dense, None zeros
+        _fill_grad(param, self.use_main_grad)  # beyond Paddle (skippable): sparse, None grads
         # Seed hunk (reconstructed, point 3): allocate if absent, add the first grad in
         if self._params_step_dict[param] > 0:
             return

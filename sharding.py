@@ -238,6 +238,7 @@ class _Sharding(_Wrapper):
         self.pp_release_grads = pp_config.release_gradients
 
         # [later, PR #64517] not skippable: sharding_configs.release_gradients switches it on too
+        self._pp_flag = self.pp_release_grads  # what the pipeline's buffers follow, alone
         self.pp_release_grads |= sharding_config.release_gradients
         self._dp_sync = (hcg.get_data_parallel_world_size() > 1
                          and not pp_config.dp_comm_overlap)  # HybridParallelOptimizer's
@@ -245,9 +246,7 @@ class _Sharding(_Wrapper):
 
     def _init_beyond_paddle(self, optimizer, strategy, grad_clip):
         """Beyond Paddle: device, build agreed; params broadcast; the step's state (own attrs)."""
-        pp_config = strategy.hybrid_configs["pp_configs"]
         sharding_config = strategy.hybrid_configs["sharding_configs"]
-        self._pp_flag = pp_config.release_gradients  # what the pipeline's buffers follow
         check_current_device(self._parameter_list, self._flag_groups(), type(self).__name__)
         self._agree_on_setup(optimizer, strategy, grad_clip)
         self._broadcast_params()
@@ -597,7 +596,7 @@ class DygraphShardingOptimizer(_Sharding):
                       else self.comm_overlap and not self.pp_release_grads)
         if persistent and not set_to_zero:
             raise ValueError(_ERASE_MSG)
-        error = self._settle_for_clear()  # beyond Paddle: own overlap in flight
+        error = self._settle_for_clear()  # beyond Paddle (skippable): own overlap in flight
         for p in self._parameter_list:
             clear_grad_func(p, set_to_zero)
         for comm_buffer in self._comm_buffers if self.pp_release_grads else ():
@@ -673,7 +672,7 @@ class DygraphShardingOptimizerV2(_Sharding):
             raise ValueError(_ERASE_MSG)
 
         self._check_pipeline_buffers_kept(set_to_zero)  # [later, #64517] not skippable
-        error = self._settle_for_clear()  # beyond Paddle: [later] own overlap's in flight
+        error = self._settle_for_clear()  # beyond Paddle (skippable): own overlap in flight
         for p in self._parameter_list:
             clear_grad_func(p, set_to_zero)
         for slice_param in self._slice_params.values() if self.pp_release_grads else ():
@@ -715,7 +714,7 @@ class DygraphShardingOptimizerV2(_Sharding):
         if self.comm_overlap:  # [later] the hooks issued the reduce-scatters
             return self._scheduler.wait_and_agree(self._flag_groups(), self._flags_device())
         for comm_buffer in self._comm_buffer_list:
-            self._relink_grads(comm_buffer)  # beyond Paddle: release off, rebound grads
+            self._relink_grads(comm_buffer)  # beyond Paddle (skippable): release off only
             # Seed hunk: with release and no buffer yet, copy every param's grad in first
             if self.pp_release_grads and comm_buffer.grad_storage is None:
                 for param in comm_buffer.params:

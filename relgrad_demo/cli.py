@@ -66,6 +66,10 @@ def parse_args(argv=None):
     """
     p = _Parser(prog="relgrad.py", description=_DESCRIPTION,
                 formatter_class=_HelpFormatter)
+    p.add_argument("--plan", action="store_true", help="instead, plan what release saves on "
+                   "a model and layout at any size, before it runs (its flags: --plan --help)")
+    p.add_argument("--plan-check", action="store_true", help="instead, compare the demo LM's "
+                   "plan with what the main job measures, at three sizes (minutes)")
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (pp_degree)")
     p.add_argument("--sharding", type=int, default=2, help="ZeRO-1 shards (sharding_degree)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (dp_degree)")

@@ -624,7 +624,11 @@ def parse_args(argv):
                     a.micro_batch_size or (4 if a.model == "demo" else 1),
                     "bf16" if a.main_grad or a.dtype == "bf16" else "fp32", a.main_grad,
                     a.optimizer, a.comm_buffer_mb, a.sharding > 1)
-    model = None if a.model == "demo" else public_model(a.model, shape, layout,
+    overridden = [] if a.model == "demo" else [f"--{k.replace('_', '-')}" for k in (
+        "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "tied", "mlp")
+        if getattr(a, k) is not None]
+    name = a.model if not overridden else f"{a.model}'s shape with {' '.join(overridden)}"
+    model = None if a.model == "demo" else public_model(name, shape, layout,
                                                         a.flash_attention)
     return a, shape, model, layout
 
