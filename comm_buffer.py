@@ -37,9 +37,8 @@ def _share_param_buffer(param, param_buffer, index):  # the param becomes a view
 
 
 class ShardingGradView:
-    """One param's place in a REDUCE_SCATTER bucket (Paddle's `ShardingGradView`): elements
-    `[index, index + padded_size)` of the flat buffers; `_param_begin:_param_end` is the overlap
-    with this rank's shard (may be empty or hold padding), `_slice_grad` the grad's view of it."""
+    """A param's elements `[index, index + padded_size)` in a REDUCE_SCATTER bucket (Paddle's):
+    `_param_begin:_param_end` its overlap with this rank's shard, `_slice_grad` the grad's."""
 
     def __init__(self, param, param_buffer, grad_buffer, index, padded_size, sharding_degree,
                  rank, use_main_grad=False, release_grad=False):
@@ -186,8 +185,7 @@ def sums_in_16_bits(dtype):
 
 
 def assign_group_by_size(params, group_size=128 * 1024 * 1024):
-    """Paddle's: `params` in order into buckets of one dtype closed once they reach
-    `group_size` bytes; numbered by their first param. Returns `OrderedDict[int, list]`."""
+    """Paddle's: `params` in order into one-dtype buckets of >= `group_size` bytes."""
     if group_size <= 0:
         raise ValueError(f"group_size must be > 0 bytes, got {group_size}")
     open_buckets, closed = {}, []
@@ -343,8 +341,8 @@ IN_FLIGHT_RULE = ("a grad changed in place while its bucket's collective was in 
                   "or grad.mul_() before the wait): change grads after scale_grads(); sharding "
                   "optimizers: opt.clip_grad_norm_(max_norm); torch's pipeline schedules: "
                   "scale_grads=False. This step is lost: clear it")
-_ADDRESS_MSG = ("The address of the grad/main_grad of {name} changed during training: it must "
-                "stay its slot's view; change grads in place (grad.mul_(s)), or release on")
+_ADDRESS_MSG = ("The address of the grad/main_grad of {name} changed: it must stay its slot's "
+                "view (release off: always; on: within a step); change grads in place")
 
 
 class FusedCommBuffer:
@@ -458,8 +456,9 @@ class FusedCommBuffer:
         count, storage = self._params_step_dict[param], self.grad_storage
         fresh = self._params_checked_in == 0 and not any(self._params_step_dict.values())
         if self._release_grads and fresh and storage is not None:
-            raise ValueError(f"bucket {self._id}: a new step started while last step's grad "
-                             "buffer is still allocated; release() it after the step")
+            raise ValueError(f"bucket {self._id}: a backward reached its params while last "
+                             "step's buffer is allocated: release() it after the step (a GAN: "
+                             "freeze these params for the other model's backward)")
         if self._release_grads and count > 0 and _addr(_grad_of(param, self.use_main_grad)) != (
                 self._slot(param).data_ptr()):
             raise ValueError(_ADDRESS_MSG.format(name=self._name(param)))
@@ -627,6 +626,8 @@ def _bad_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param, use_ma
          f"{sorted({str(p.dtype) for p in params})}; split it with assign_group_by_size"),
         (act not in acts, f"act must be HOOK_ACTION.ALL_REDUCE, REDUCE or REDUCE_SCATTER: {act!r}"),
         (act != HOOK_ACTION.REDUCE and dst != -1, f"dst={dst} is only meaningful with act=REDUCE"),
+        (dist.get_rank() not in ranks, f"this rank ({dist.get_rank()}) is not in comm_group "
+         f"{ranks}: pass a group it belongs to"),
         (act == HOOK_ACTION.REDUCE and dst not in ranks, f"act=REDUCE needs dst, the owner's "
          f"global rank in comm_group, one of {ranks}; got {dst}"),
         (fuse_param and act == HOOK_ACTION.REDUCE_SCATTER, "fuse_param: not with REDUCE_SCATTER"),

@@ -155,9 +155,8 @@ class PipelineParallel(nn.Module):
 
     def fused_gradient(self, model, comm_group, acc_steps, dp, param2rank=None,
                        group_size=128 * 1024 * 1024):
-        """Build `FusedCommBuffer`s for `model`'s trainable params and hook them (Paddle's):
-        ALL_REDUCE for dp, REDUCE to each param's owner (`param2rank`, v1), REDUCE_SCATTER with
-        split_param (v2). Chunk i of an `nn.ModuleList` goes to `_chunk_2_comm_buffers[i]`."""
+        """Paddle's: hooked `FusedCommBuffer`s of `model` (chunk i of a ModuleList: index i):
+        ALL_REDUCE for dp, REDUCE to the owner (`param2rank`, v1), REDUCE_SCATTER for v2."""
         act = (HOOK_ACTION.ALL_REDUCE if dp else HOOK_ACTION.REDUCE_SCATTER
                if self._sharding_split_param else HOOK_ACTION.REDUCE)
         chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
@@ -216,8 +215,7 @@ class PipelineParallel(nn.Module):
         return loss
 
     def forward_backward_pipeline(self, data):
-        """The schedule alone (after train_batch's entry check); several calls before one step
-        accumulate, only without comm overlap and ties (their sums would run twice)."""
+        """The schedule alone; calls before one step accumulate (not with overlap, ties)."""
         self._check_accumulation()
         self._agree_at_entry(None, data)
         return self._schedule(data)
@@ -248,11 +246,12 @@ class PipelineParallel(nn.Module):
                     "train_batch's entry check: every rank of the job must run the same "
                     "accumulate_steps (build every HybridStrategy alike) and the same grad_clip"))
         except TimeoutError as error:
-            ranks = [self._hcg.get_rank_from_stage(s) for s in range(self.num_stages)]
-            stages = [s for s, r in enumerate(ranks) if r in getattr(error, "absent", ())]
+            ranks, absent = [self._hcg.get_rank_from_stage(s) for s in range(self.num_stages)], \
+                sorted(getattr(error, "absent", ()))
+            stages = [s for s, r in enumerate(ranks) if r in absent]
             raise self._stage_timeout(
                 f"train_batch's entry check: stage(s) {stages} of the pipe (global rank(s) "
-                f"{[ranks[s] for s in stages]}) did not reach it", stages) from error
+                f"{absent}) did not reach it", f"global rank(s) {absent}") from error
 
     def _prepare_training(self, optimizer, lr_scheduler, grad_clip=None):
         _check_grad_clip(grad_clip)
@@ -323,8 +322,7 @@ class PipelineParallel(nn.Module):
             raise
 
     def eval_batch(self, data, compute_loss=True):
-        """Forward only; the mean loss (without `compute_loss`: the last stage's outputs, None
-        elsewhere). Every rank of the pipe calls it (it communicates)."""
+        """Forward only, on every rank of the pipe: the mean loss (else the last outputs)."""
         inputs, labels = self._micro_batches(data)
         self.eval()
         self._meta_sent = self._meta_recv = None
@@ -446,8 +444,7 @@ class PipelineParallel(nn.Module):
         return self._p2p(recv_prev=True, fallback=first_stage_input)
 
     def _p2p(self, send_next=None, send_prev=None, recv_next=None, recv_prev=False, fallback=None):
-        """Batched isend / irecv with the neighbours; returns what was received: the next
-        activation (`recv_prev`; on stage 0 `fallback`) or the grad of `recv_next`."""
+        """Batched isend / irecv with the neighbours; the next activation or `recv_next`'s grad."""
         first, last = self.stage_id == 0, self.stage_id == self.num_stages - 1
         prev = None if first else self._hcg.get_rank_from_stage(self.stage_id - 1)
         nxt = None if last else self._hcg.get_rank_from_stage(self.stage_id + 1)
@@ -493,13 +490,13 @@ class PipelineParallel(nn.Module):
                 stages = [s for s in range(self.num_stages)
                           if peer in (None, self._hcg.get_rank_from_stage(s))]
                 raise self._stage_timeout(f"stage(s) {stages} did not answer a p2p message",
-                                          stages) from error
+                                          f"stage(s) {stages}") from error
 
-    def _stage_timeout(self, what, stages):
+    def _stage_timeout(self, what, who):
         return PipelineStageTimeout(
             f"stage {self.stage_id} (global rank {dist.get_rank()}): {what} within the pipe group's"
-            f" timeout of {self._p2p_timeout.total_seconds():g} s: stage(s) {sorted(stages)} failed"
-            " or stopped answering (a failed rank's error is in the launcher's output)")
+            f" timeout of {self._p2p_timeout.total_seconds():g} s: {who} failed or stopped "
+            "answering (a failed rank's error is in the launcher's output)")
 
     def _meta(self, t):
         if t.dim() > _META_LEN - 2 or t.dtype not in _DTYPES:

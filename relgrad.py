@@ -204,8 +204,7 @@ def check_current_device(params, groups, what):
 # ---- the torch optimizer surface and fp32 masters (Paddle's mix_precision_utils.py) ----
 
 def register_main_grad_hooks(params):
-    """An fp32 `param.main_grad` each grad is added into, then dropped (Paddle's
-    MixPrecisionLayer); register before the buffer hooks. Returns the hook handles."""
+    """fp32 `param.main_grad` hooks (Paddle's MixPrecisionLayer), before the buffers'."""
     handles = []
     for p in params:
         if p.requires_grad:
@@ -232,9 +231,8 @@ def clear_grad_func(p, set_to_zero):
 
 
 class _Wrapper(torch.optim.Optimizer):
-    """The torch face of the wrappers (torch 2.13's `Optimizer`): `param_groups` / `state` are
-    the inner optimizer's, re-read on each access; `zero_grad(set_to_none)` is `clear_grad(
-    set_to_zero=not set_to_none)`; torch's hooks run; pickling, a closure, a GradScaler raise."""
+    """The wrappers' torch face (torch 2.13's `Optimizer`): the inner's `param_groups` / `state`,
+    `zero_grad` as `clear_grad`, torch's hooks; pickling, a closure, a GradScaler raise."""
 
     _step_supports_amp_scaling = True  # GradScaler hands its scale to step(), which refuses
     param_groups = property(lambda self: self._inner_opt.param_groups)  # live: LRs reach it

@@ -88,9 +88,8 @@ def plug_free_in_comm(buffers, free_grads_in_comm):
 
 
 class BucketScheduler:
-    """Issues the buckets' collectives in one order on every rank, the reverse of the build
-    order (beyond Paddle). `fire_on_hook`: a check-in fires each complete bucket whose
-    predecessors fired (not the `held`, tied copies); `fire()` issues the rest as they are."""
+    """Beyond Paddle: the buckets' collectives in one order everywhere, the build's reversed;
+    `fire_on_hook`: complete ones fire in turn (not the `held`); `fire()`: the rest as they are."""
 
     def __init__(self, fire_on_hook=True):
         self.buffers, self.fire_on_hook, self.held, self.closed = [], fire_on_hook, [], False
@@ -329,6 +328,7 @@ class _Sharding(_Wrapper):
                                "zero_grad() in between; clear the grads after each step")
         has = self._has_grad()
         if self.comm_overlap:  # before the agreement (a collective): match every rank's buckets
+            self._agree_on_call("step()")
             self._scheduler.fire()
         dropped = self._phase == "dropped" and not any(has)
         problems = list(rules or _clip_rules()) + self._misuse_rules() + [(
@@ -395,22 +395,30 @@ class _Sharding(_Wrapper):
                                "non-finite; pass error_if_nonfinite=False to clip anyway")
         return norm
 
+    def _agree_on_call(self, call):
+        """Beyond Paddle, comm_overlap: agree through the store (no collective to pair) on the
+        call and what is in flight; if any differs, every rank settles and raises."""
+        most = self._scheduler.passes()[0]
+        flying = call == "zero_grad()" and any(
+            b._task is not None for b in self._scheduler.buffers)
+        try:
+            agree(self._flag_groups(), [(
+                "zero_grad() ran between backward and step() with comm_overlap's collectives in "
+                "flight (or on some rank step()): every rank settled and cleared this step; go on",
+                f"{most} backward pass(es)" if flying else None)], [("the call", call)] + [
+                ("backward passes this step", most)] * (call == "zero_grad()"), via_store=True)
+        except ValueError:
+            self._scheduler.settle()
+            raise
+
     def _settle_for_clear(self):
-        """Beyond Paddle: comm_overlap without a step since the last clear: agree through the
-        store whether some rank has collectives in flight; if so all settle. Returns the error."""
+        """Beyond Paddle: `_agree_on_call` if no step since the last clear; the error."""
         error = None
         if self.comm_overlap and self._phase != "stepped":
-            most = self._scheduler.passes()[0]
-            flying = any(b._task is not None for b in self._scheduler.buffers)
             try:
-                agree(self._flag_groups(), [(
-                    "zero_grad() ran between backward and step() with comm_overlap's collectives"
-                    " in flight: every rank settled and cleared this step; go on",
-                    f"{most} backward pass(es)" if flying else None)],
-                    [("backward passes this step", most)], via_store=True)
+                self._agree_on_call("zero_grad()")
             except ValueError as caught:
                 error = None if self._phase == "failed" else caught
-                self._scheduler.settle()
         dropped = self._phase in ("idle", "dropped") and error is None and any(self._has_grad())
         self._phase = "dropped" if dropped else "idle"
         self._scheduler.reset()
@@ -433,8 +441,7 @@ class _Sharding(_Wrapper):
         return extras("checkpoint", "consolidate_state_dict").consolidate(self, to)
 
     def load_state_dict(self, state_dict):
-        """This rank's `state_dict()` (same layout only) or a consolidated / plain torch one
-        (re-sharded by relgrad_extras); collective: a wrong dict anywhere raises everywhere."""
+        """This rank's `state_dict()` (same layout) or a consolidated / torch one; collective."""
         if not isinstance(state_dict, dict):  # None off rank `to`: raise on every rank
             self._load_local_state_dict(state_dict)
         super().load_state_dict(state_dict)  # torch's hooks, then _load_local_state_dict

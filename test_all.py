@@ -2257,15 +2257,16 @@ def test_plan_matches_main_job(main_job, ranks, tmp_path):
 
 def test_skipped_backward_then_zero_grad_on_every_rank(ranks):
     """Check that under sharding's own overlap (v1, v2, release on and off) a rank that skips
-    its backward, then zero_grad() on every rank, raises the same ValueError on both ranks
-    within the run's timeout, and the steps after it match one process over those steps."""
+    its backward, then zero_grad() on every rank, or a rank that calls zero_grad() alone while
+    the other calls step(), raises the same ValueError on both ranks within the run's timeout,
+    and that after clearing the steps match one process over those steps."""
     results = ranks(2).run(habits.skipped_backward, timeout=60)
     assert len(results) == 2
     (out0, oracle), (out1, _) = results
-    assert sorted(out0) == sorted(out1) and len(out0) == 4
+    assert sorted(out0) == sorted(out1) and len(out0) == 8
     for case in out0:
-        _same_error([out0[case][0], out1[case][0]], 2, "collectives in flight: every rank "
-                    "settled and cleared this step")
+        _same_error([out0[case][0], out1[case][0]], 2, "collectives in flight (or on some rank "
+                    "step()): every rank settled and cleared this step")
         for params in (out0[case][1], out1[case][1]):
             _assert_params(params, oracle, atol=1e-6)
 

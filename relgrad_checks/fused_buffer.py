@@ -262,7 +262,7 @@ def _check_misuse(rank, world):
     buf.scale_grads()
     for p in params:
         p.grad = None  # the optimizer's zero_grad(), but no _clear_grad_storage()
-    with pytest.raises(ValueError, match="new step started while last step's grad buffer"):
+    with pytest.raises(ValueError, match="a backward reached its params while last step's buffer is allocated"):
         _backward_int_grads(params, rank, 1, 0)
     buf._clear_grad_storage()
     _backward_int_grads(params, rank, 1, 0)

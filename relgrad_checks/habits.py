@@ -42,19 +42,26 @@ def _oracle_from(first, steps):
 
 
 def skipped_backward(rank, world):
-    """Sharding's own overlap, v1 / v2, release on / off: rank 1 skips step 0's backward and
-    every rank calls zero_grad(); then STEPS good steps. Returns ({case: (error, params)},
-    one process over steps 1 .. STEPS)."""
+    """Sharding's own overlap, v1 / v2, release on / off, step 0 goes wrong on rank 1: "skip"
+    (it skips backward, every rank calls zero_grad()) or "alone" (every rank runs backward,
+    rank 1 calls zero_grad() while the others call step()); then every rank clears and trains
+    STEPS good steps. Returns ({case: (error, params)}, one process over steps 1 .. STEPS)."""
     out = {}
     for version in (1, 2):
         for release in (True, False):
-            model, opt = _sharded(world, version, True, 1, release)
-            if rank != 1:
-                for x, y in _micro_batches(rank, world, 0, 1):
-                    F.mse_loss(model(x), y).backward()
-            seen = _error(lambda: opt.zero_grad(set_to_none=release))
-            _train(model, opt, rank, world, range(1, STEPS + 1))
-            out[version, release] = (seen, [p.detach().clone() for p in model.parameters()])
+            for how in ("skip", "alone"):
+                model, opt = _sharded(world, version, True, 1, release)
+                if rank != 1 or how == "alone":
+                    for x, y in _micro_batches(rank, world, 0, 1):
+                        F.mse_loss(model(x), y).backward()
+                call = opt.step if how == "alone" and rank != 1 else lambda: opt.zero_grad(
+                    set_to_none=release)
+                seen = _error(call)
+                if how == "alone":
+                    opt.zero_grad(set_to_none=release)  # clear the grads and go on
+                _train(model, opt, rank, world, range(1, STEPS + 1))
+                out[version, release, how] = (seen,
+                                              [p.detach().clone() for p in model.parameters()])
     return out, _oracle_from(1, STEPS + 1)
 
 
