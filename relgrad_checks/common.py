@@ -1,10 +1,7 @@
 """Helpers the rank-side checks share: tiny models, data, oracles, comparisons."""
-import copy
 import gc
 import time
-import weakref
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

@@ -2,7 +2,6 @@
 time (a stage that fails alone, a rank that ran fewer backward passes); 16-bit sums that do
 not overflow; a scheduler resumed on the v2 pipeline path."""
 import copy
-import time
 from datetime import timedelta
 
 import torch

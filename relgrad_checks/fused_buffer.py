@@ -1,13 +1,9 @@
 """Rank-side checks of comm_buffer.py: layout, the three actions, lifetime, main grads, misuse."""
-import copy
-import gc
-import time
 import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from comm_buffer import HOOK_ACTION, FusedCommBuffer, bw_hook_func

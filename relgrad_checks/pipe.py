@@ -1,13 +1,11 @@
 """Rank-side checks of pipeline.py: 1F1B against one process, release, collectives, errors."""
 import copy
-import gc
 import time
 import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from comm_buffer import FusedCommBuffer

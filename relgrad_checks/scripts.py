@@ -6,7 +6,6 @@ import time
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 

@@ -1,5 +1,4 @@
 """Rank-side checks of sharding's own comm overlap and of free_grads_in_comm (v1 and v2)."""
-import copy
 import weakref
 
 import pytest

@@ -1,12 +1,9 @@
 """Rank-side checks of sharding.py: v1 / v2 against one process, lifetime, edges, state."""
 import copy
-import gc
-import time
 import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
