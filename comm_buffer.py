@@ -278,6 +278,8 @@ def _all_max(values, groups, device, timeout):
                                 f"{timeout.total_seconds():g} s")
             late.absent = [r for r in ranks if not _store().check([f"{key}/{r}"])]
             raise late from error
+        if timeout is not None:
+            _forget(key, ranks)
     return tensor.tolist()
 
 
@@ -285,6 +287,15 @@ def _round_key(kind, ranks):  # this process's next store key (counted alike on 
     ranks = tuple(ranks)
     _ROUNDS[kind, ranks] += 1
     return f"relgrad/{kind}/{','.join(map(str, ranks))}/{_ROUNDS[kind, ranks]}"
+
+
+def _forget(key, ranks):
+    """Delete a store round's keys once every rank has read them (the last reader does)."""
+    store = _store()
+    if store.add(f"{key}/read", 1) == len(ranks):
+        for r in ranks:
+            store.delete_key(f"{key}/{r}")
+        store.delete_key(f"{key}/read")
 
 
 def _gather(obj, groups, via_store=False):
@@ -297,6 +308,7 @@ def _gather(obj, groups, via_store=False):
             store.set(f"{key}/{dist.get_rank()}", pickle.dumps(seen))
             store.wait([f"{key}/{r}" for r in ranks])
             out = [pickle.loads(store.get(f"{key}/{r}")) for r in ranks]
+            _forget(key, ranks)
         else:
             out = [None] * dist.get_world_size(group)
             dist.all_gather_object(out, seen, group=group)
@@ -341,8 +353,8 @@ IN_FLIGHT_RULE = ("a grad changed in place while its bucket's collective was in 
                   "or grad.mul_() before the wait): change grads after scale_grads(); sharding "
                   "optimizers: opt.clip_grad_norm_(max_norm); torch's pipeline schedules: "
                   "scale_grads=False. This step is lost: clear it")
-_ADDRESS_MSG = ("The address of the grad/main_grad of {name} changed: it must stay its slot's "
-                "view (release off: always; on: within a step); change grads in place")
+_ADDRESS_MSG = ("The address of the grad/main_grad of {name} changed between two micro-batches "
+                "of a step: within a step it must stay its slot's view; change grads in place")
 
 
 class FusedCommBuffer:
@@ -431,6 +443,8 @@ class FusedCommBuffer:
     def add_grad(self, param, use_comm=True):
         """Check `param` in for this micro-batch; issue the collective once all are in."""
         self._check_check_in(param)  # beyond Paddle (skippable): raises on a misuse
+        if not self._release_grads and self._params_step_dict[param] == 0:
+            self._relink_grad(param)  # beyond Paddle (skippable): a new grad, as DDP takes it
         # Seed hunk (reconstructed, point 2): release moves the grad in; else the address check
         if self._release_grads:
             self._copy_grad_to_buffer(param)
@@ -462,6 +476,16 @@ class FusedCommBuffer:
         if self._release_grads and count > 0 and _addr(_grad_of(param, self.use_main_grad)) != (
                 self._slot(param).data_ptr()):
             raise ValueError(_ADDRESS_MSG.format(name=self._name(param)))
+
+    @torch.no_grad()
+    def _relink_grad(self, param):
+        """Release off: a grad that is not its slot's view (`zero_grad()` set it to None, then
+        backward made a new one) is added into its zeroed slot, as DDP copies it in."""
+        slot, grad = self._slot(param), _grad_of(param, self.use_main_grad)
+        if grad is None or grad.data_ptr() != slot.data_ptr():
+            _fill_grad(param, self.use_main_grad)
+            slot.zero_().add_(_grad_of(param, self.use_main_grad).reshape(-1))
+            _set_grad(param, self.use_main_grad, slot.view(param.shape))
 
     @torch.no_grad()
     def _copy_grad_to_buffer(self, param):

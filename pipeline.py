@@ -8,14 +8,14 @@ freed after the step). Beyond Paddle: one agreement opens a step; p2p waits time
 Ties, Paddle's clip, interleave: relgrad_extras/. Reference: Narayanan et al. (2021).
 """
 from collections import defaultdict
+from itertools import combinations
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from comm_buffer import (_ADDRESS_MSG, HOOK_ACTION, FusedCommBuffer, _addr, _grad_of, agree,
-                         assign_group_by_size, comm_device, global_rank, is_timeout_error,
-                         main_grad_or_grad as _grad)
+from comm_buffer import (HOOK_ACTION, FusedCommBuffer, agree, assign_group_by_size, comm_device,
+                         global_rank, is_timeout_error, main_grad_or_grad as _grad)
 from relgrad import check_current_device, group_timeout
 from sharding import (BucketScheduler, _check_grad_clip, _comm_buffer_bytes,
                       agreed_all_reduce_mean, extras, norm_groups, plug_free_in_comm)
@@ -23,6 +23,11 @@ from sharding import (BucketScheduler, _check_grad_clip, _comm_buffer_bytes,
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
 _ABANDONED = []  # p2p works that timed out: kept, the backend may still fill their buffers
+
+
+STEP_REFUSED_RULE = ("train_batch's step was refused on some rank, so on every rank: each dropped "
+                     "this step's grads and released its buffers; fix the cause, clear the grads "
+                     "and go on")
 
 
 class PipelineStageTimeout(TimeoutError):
@@ -124,19 +129,35 @@ class PipelineParallel(nn.Module):
                              " (relgrad_extras.interleave)")
 
     def _check_untied_shares(self, layers, bounds, shared_weights):
-        """Beyond Paddle: one Parameter in two stages' layers, untied, raises on every rank."""
-        tied = [set(tie) for tie in shared_weights or ()]
+        """Beyond Paddle: one Parameter in the layers of two stages must be tied; in two model
+        chunks of one stage (interleave) it cannot be under comm overlap (it would take a slot
+        in each chunk's buckets). Every rank sees every layer, so every rank raises alike."""
+        ties = [set(tie) for tie in shared_weights or ()]
         first = {}
         for i, layer in enumerate(layers):
-            if not isinstance(layer, nn.Module):
-                continue
-            stage = max(c for c in range(len(bounds) - 1) if bounds[c] <= i) % self.num_stages
-            for name, p in layer.named_parameters():
-                seen = first.setdefault(id(p), (f"{i}.{name}", stage))
-                if seen[1] != stage and not any({seen[0], f"{i}.{name}"} <= t for t in tied):
-                    raise ValueError(f"one Parameter object is '{seen[0]}' on stage {seen[1]} and "
-                                     f"'{i}.{name}' on stage {stage}: tie them with shared_"
-                                     f"weights=[({seen[0]!r}, '{i}.{name}')], or untie them")
+            for name, p in layer.named_parameters() if isinstance(layer, nn.Module) else ():
+                first.setdefault(id(p), f"{i}.{name}")
+                tied = any({first[id(p)], f"{i}.{name}"} <= tie for tie in ties)
+                self._check_share(first[id(p)], f"{i}.{name}", bounds, tied)
+        for tie in ties:
+            for a, b in combinations(sorted(n for n in tie if n.split(".")[0].isdigit()), 2):
+                self._check_share(a, b, bounds, tied=True)
+
+    def _check_share(self, a, b, bounds, tied):
+        """Raise if names `a` and `b` (one param, or tied) cannot share it (see above)."""
+        chunks = [max(c for c in range(len(bounds) - 1) if bounds[c] <= int(n.split(".")[0]))
+                  for n in (a, b)]
+        stages = [c % self.num_stages for c in chunks]
+        if stages[0] != stages[1] and not tied:
+            raise ValueError(f"one Parameter object is '{a}' on stage {stages[0]} and '{b}' on "
+                             f"stage {stages[1]}: tie them with shared_weights=[({a!r}, {b!r})]"
+                             ", or untie them")
+        if stages[0] == stages[1] and chunks[0] != chunks[1] and self._comm_overlap:
+            raise ValueError(f"'{a}' (model chunk {chunks[0]}) and '{b}' (model chunk "
+                             f"{chunks[1]}) are one param on stage {stages[0]}: under comm "
+                             "overlap each chunk's buckets would hold it; shared_weights ties "
+                             "copies on different stages only: give each chunk its own param, "
+                             "or turn the overlap off")
 
     def _shared_weights(self, shared_weights, bounds):
         if shared_weights is None:
@@ -228,13 +249,9 @@ class PipelineParallel(nn.Module):
 
     def _agree_at_entry(self, refused=None, data=None):
         """Beyond Paddle: before the first p2p, raise everywhere what a rank saw (or time out)."""
-        moved = [b._name(p) for bs in self._chunk_2_comm_buffers.values() for b in bs
-                 for p in b.params if not b._release_grads
-                 and _addr(_grad_of(p, b.use_main_grad)) != b._grads_to_addr[p]]
         clip = self._grad_clip
         try:
             agree(self._agree_groups(), [
-                (_ADDRESS_MSG.format(name="a param in a fused buffer"), ", ".join(moved) or None),
                 ("train_batch: a batch does not split into accumulate_steps micro-batches; pass "
                  "micro_batch_size * accumulate_steps samples on every rank",
                  None if data is None else self._batch_problem(data)),
@@ -388,18 +405,7 @@ class PipelineParallel(nn.Module):
     @torch.no_grad()
     def _optimizer_step(self):
         """Step, then release (seed hunk) or zero the grads, then the LR scheduler."""
-        params = list(self._layers.parameters())
-        for g in [_grad(p) for p in params] if self._delay_scale_loss else ():
-            if g is not None:  # in place: Paddle's `grad.scale(1/acc)` rebinds the grad
-                g.mul_(1.0 / self.accumulate_steps)
-        hcg = self._hcg
-        if (hcg.get_data_parallel_world_size() > 1 and not self._dp_comm_overlap
-                and hcg.get_sharding_parallel_world_size() == 1):  # HybridParallelOptimizer's
-            agreed_all_reduce_mean(params, hcg.get_data_parallel_group(), self._device(),
-                                   self.optimizer.param_groups)  # and the hyper-parameters
-        if self._grad_clip is not None:  # on reduced grads, before the step and the release
-            self._grad_clip([(p, _grad(p)) for p in params], norm_groups(hcg), self._device())
-        self._phase = "idle"
+        self._agree_on_step()  # beyond Paddle (skippable): reduce, agreed over the whole job
         self.optimizer.step()
         # Seed hunk: with release, drop the grads and free every chunk's buffers; else zero
         if self._release_gradients:
@@ -412,6 +418,39 @@ class PipelineParallel(nn.Module):
 
         if self.lr_scheduler:
             self.lr_scheduler.step()
+
+    def _agree_on_step(self):
+        """Beyond Paddle: each stage reduces and checks its grads (the optimizer's agreement);
+        then one agreement over the job, so a step refused on one stage is refused on all (the
+        grads dropped and the buffers released everywhere); then the clip (a pipe collective)."""
+        params = list(self._layers.parameters())
+        try:
+            self._reduce_for_step(params)
+            refused = None
+        except ValueError as error:
+            refused = f"{type(error).__name__}: {error}"
+        try:
+            agree(self._agree_groups(), [(STEP_REFUSED_RULE, refused)], device=self._device())
+        except ValueError:
+            self._discard_grads()
+            raise
+        self._phase = "idle"
+        if self._grad_clip is not None:  # on reduced grads, before the step and the release
+            self._grad_clip([(p, _grad(p)) for p in params], norm_groups(self._hcg),
+                            self._device())
+
+    def _reduce_for_step(self, params):
+        """Paddle's delay_scale_loss (in place), then HybridParallelOptimizer's reduce: the
+        sharding optimizer's first half, or a plain optimizer's dp all-reduce (agreed)."""
+        for g in [_grad(p) for p in params] if self._delay_scale_loss else ():
+            if g is not None:  # in place: Paddle's `grad.scale(1/acc)` rebinds the grad
+                g.mul_(1.0 / self.accumulate_steps)
+        hcg = self._hcg
+        if hasattr(self.optimizer, "finish_grad_sync"):
+            self.optimizer.finish_grad_sync()
+        elif hcg.get_data_parallel_world_size() > 1:  # the hyper-parameters agreed too
+            agreed_all_reduce_mean(params, hcg.get_data_parallel_group(), self._device(),
+                                   self.optimizer.param_groups, reduce=not self._dp_comm_overlap)
 
     @torch.no_grad()
     def _discard_grads(self):

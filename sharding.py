@@ -42,8 +42,9 @@ def all_reduce_mean(grads, group):
 
 
 @torch.no_grad()
-def agreed_all_reduce_mean(params, group, device=None, param_groups=()):
-    """dp sync with the same collectives on every rank (a grad some rank lacks: zeros, as DDP)."""
+def agreed_all_reduce_mean(params, group, device=None, param_groups=(), reduce=True):
+    """dp sync with the same collectives on every rank (a grad some rank lacks: zeros, as DDP);
+    the hyper-parameters agreed. `reduce=False`: agree only (the buffers reduced them)."""
     params = list(params)
     if params:
         densify_grads(params)
@@ -51,8 +52,9 @@ def agreed_all_reduce_mean(params, group, device=None, param_groups=()):
         anywhere = agree([group], same=hyper_parameters(param_groups), flags=here,
                          device=device or params[0].device, title="every rank that holds the "
                          "same params must step with the same hyper-parameters")
-        _fill_missing_grads(params, anywhere, here)
-        all_reduce_mean([_grad(p) for p, a in zip(params, anywhere) if a], group)
+        if reduce:
+            _fill_missing_grads(params, anywhere, here)
+            all_reduce_mean([_grad(p) for p, a in zip(params, anywhere) if a], group)
 
 
 def _fill_missing_grads(params, anywhere, here):  # zeros where only other ranks wrote
@@ -85,6 +87,12 @@ def plug_free_in_comm(buffers, free_grads_in_comm):
     """[later] With `free_grads_in_comm`, make `buffers` relgrad_extras' FreeInCommBuffers."""
     if free_grads_in_comm:
         extras("free_in_comm", "sharding_configs.free_grads_in_comm").plug(buffers)
+
+
+INCOMPLETE_RULE = ("a bucket was not complete after accumulate_steps={acc} backward passes: each "
+                   "trainable param needs a grad in each, on every rank (an unused branch, or a "
+                   "reentrant torch.utils.checkpoint whose input needs no grad: pass "
+                   "use_reentrant=False); clear this step")
 
 
 class BucketScheduler:
@@ -146,18 +154,26 @@ class BucketScheduler:
         most = acc + max(self.extra.values()) if self.extra else max(done + counts, default=0)
         return most, min(counts, default=acc if done else 0)
 
+    def _short(self, shown=3):
+        """The params that checked in fewer than acc_steps times, named (the first `shown`)."""
+        short = []
+        for buffer in self.buffers:
+            for param, count in buffer._params_step_dict.items():
+                short.append(f"{buffer._name(param)}: {count} of {buffer._acc_steps}")
+        more = f" and {len(short) - shown} more" if len(short) > shown else ""
+        return "; short: " + ", ".join(short[:shown]) + more if short else ""
+
     def wait_and_agree(self, groups, device):
         """After `fire()`: agree that every param checked in acc_steps times everywhere and no
         grad changed in flight, then wait and scale; else every rank settles and raises."""
         acc = self.buffers[0]._acc_steps if self.buffers else None
         most, fewest = self.passes()
         changed = [b._id for b in self.buffers if b._changed_in_flight()]
+        short = None if most == fewest == acc else (
+            f"{most} backward passes, the fewest for a param {fewest}{self._short()}")
         try:
             agree(groups, [(IN_FLIGHT_RULE, f"buckets {changed}" if changed else None),
-                           (f"a bucket was not complete after accumulate_steps={acc} backward "
-                            "passes: each trainable param needs a grad in each, on every rank; "
-                            "clear this step", None if most == fewest == acc
-                            else f"{most} backward passes, the fewest for a param {fewest}")],
+                           (INCOMPLETE_RULE.format(acc=acc), short)],
                   [("backward passes (most, fewest for a param)", (most, fewest))], device=device)
         except ValueError:
             self.settle()
@@ -216,6 +232,7 @@ def _clip_rules(args=None, grad_clip=None):
 
 # ---- Sharding v1 and v2 ----
 
+_OPENERS = ("step", "clip_grad_norm_", "finish_grad_sync")  # what may open a step
 LAYOUT_KEY = "sharding_layout"  # tags a per-rank state_dict() with the layout it fits
 _ERASE_MSG = ("should not erase grad buffer: release off, the grads are views of a persistent "
               "fused buffer; use zero_grad(set_to_none=False) or turn release_gradients on")
@@ -320,7 +337,7 @@ class _Sharding(_Wrapper):
                                            and self._as_cleared.get(id(p)) != id(g))
                 for p in self._parameter_list]
 
-    def _agree_at_step(self, entry=None, rules=()):
+    def _agree_at_step(self, opened, rules=()):
         """Open a step alike everywhere (one all-reduce): misuse, the entry (clip_grad_norm_'s
         arguments, None), the hyper-parameters; a param steps iff some rank wrote its grad."""
         if self._phase in ("reduced", "stepped"):
@@ -335,11 +352,12 @@ class _Sharding(_Wrapper):
             "did zero_grad() run between backward and step() on some rank, with no backward "
             "after it? Its grads would count as zeros: clear grads after step()",
             "grads dropped" if dropped else None)]
-        opened = (0, None, None, None) if entry is None else (1, *(
-            v if isinstance(v, (int, float)) else None for v in entry))
+        words = [_OPENERS.index(opened[0])]
+        for value in (*opened[1:], None, None, None)[:3]:
+            words.append(value if isinstance(value, (int, float)) else None)
         anywhere = agree(self._flag_groups(), problems, [
-            ("how the step was opened (clip_grad_norm_, max_norm, norm_type, error_if_nonfinite)",
-             opened)] + self._hyper_now(), has, self._flags_device(),
+            (f"how the step was opened ({', '.join(_OPENERS)}; max_norm, norm_type, "
+             "error_if_nonfinite)", tuple(words))] + self._hyper_now(), has, self._flags_device(),
             title="every rank of the sharding (and dp) group must open a step alike (all with "
             "opt.clip_grad_norm_ of the same arguments, or all without) and with the same "
             "hyper-parameters")
@@ -361,33 +379,39 @@ class _Sharding(_Wrapper):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Agree, reduce, dp all-reduce, clip, step, broadcast (after clip_grad_norm_: the step)."""
+        """Agree, reduce, dp all-reduce (unless finish_grad_sync ran), clip, step, broadcast."""
         self._check_step_args(closure)
         if self._phase != "reduced":
             self._first_half()
-            if self._grad_clip is not None:  # Paddle's: on the reduced grads this rank steps
-                self._grad_clip(self._clip_pairs(), norm_groups(self._hcg), self._flags_device())
+        if self._grad_clip is not None:  # Paddle's: on the reduced grads this rank steps
+            self._grad_clip(self._clip_pairs(), norm_groups(self._hcg), self._flags_device())
         self._inner_opt.step()
         self._phase, self._scheduler.closed = "stepped", self.comm_overlap
         self._sync_params()
 
-    def _first_half(self, entry=None, rules=()):
+    @torch.no_grad()
+    def finish_grad_sync(self):
+        """step()'s first half, on every rank: agree, reduce, scale. Then the grads this rank
+        steps are final (read or change them); step() then does not reduce again."""
+        self._first_half(("finish_grad_sync",))
+
+    def _first_half(self, opened=("step",), rules=()):
+        if self._phase == "reduced":
+            raise RuntimeError(f"{opened[0]} ran twice before step(): the grads are reduced "
+                               "once per step, between backward and step()")
         try:
-            self._reduce_for_step(entry, rules)
+            self._reduce_for_step(opened, rules)
         except ValueError:
             self._phase = "failed"  # the buckets stay for a retried step
             raise
+        self._phase = "reduced"
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         """torch's `clip_grad_norm_` on the optimizer (as FSDP's), before step() on every rank:
         runs step()'s first half, clips the reduced grads by the global L2 norm; returns it."""
-        if self._phase == "reduced":
-            raise RuntimeError("clip_grad_norm_ ran twice before step(); call it once per step, "
-                               "between backward and step()")
-        self._first_half((max_norm, norm_type, error_if_nonfinite),
+        self._first_half(("clip_grad_norm_", max_norm, norm_type, error_if_nonfinite),
                          _clip_rules((max_norm, norm_type), self._grad_clip))
-        self._phase = "reduced"
         norm = clip_grads_by_global_norm(self._clip_pairs(), max_norm, norm_groups(self._hcg),
                                          self._flags_device(), coefficient="torch")
         if error_if_nonfinite and not torch.isfinite(norm):
@@ -577,9 +601,9 @@ class DygraphShardingOptimizer(_Sharding):
         self._inner_opt.add_param_group({**param_group, "params": owned})
         self._finish_clear()
 
-    def _reduce_for_step(self, entry=None, rules=()):
+    def _reduce_for_step(self, opened, rules=()):
         """step()'s first half: agree, reduce to the owners, dp all-reduce of owned grads."""
-        anywhere = self._agree_at_step(entry, rules)
+        anywhere = self._agree_at_step(opened, rules)
         for p, some_rank in zip(self._parameter_list, anywhere):
             if not some_rank:  # a zeroed grad nobody wrote: not stepped (torch: None)
                 clear_grad_func(p, set_to_zero=False)
@@ -730,16 +754,10 @@ class DygraphShardingOptimizerV2(_Sharding):
             comm_buffer._comm_grads()
             comm_buffer.scale_grads(agree_in_flight=False)  # nothing ran while in flight
 
-    @torch.no_grad()
     def _relink_grads(self, comm_buffer):
         """Beyond Paddle: release off, a grad rebound (model.zero_grad()) goes back to its slot."""
         for param in comm_buffer.params if not self.pp_release_grads else ():
-            slot = comm_buffer._slot(param)
-            densify_grads([param])
-            grad = _grad_of(param, comm_buffer.use_main_grad)
-            if grad is None or grad.data_ptr() != slot.data_ptr():
-                slot.zero_() if grad is None else slot.copy_(grad.reshape(-1))
-                _set_grad(param, comm_buffer.use_main_grad, slot.view(param.shape))
+            comm_buffer._relink_grad(param)
 
     def _assign_slice_grad(self):
         for comm_buffer in self._comm_buffer_list:
@@ -752,10 +770,10 @@ class DygraphShardingOptimizerV2(_Sharding):
                     del slice_param.main_grad  # (Paddle also asserts it is uninitialized)
                 comm_buffer.assign_slice_grad(param, slice_param)
 
-    def _reduce_for_step(self, entry=None, rules=()):
+    def _reduce_for_step(self, opened, rules=()):
         """step()'s first half: agree, reduce-scatter, bind the slices, dp all-reduce."""
         self._collect_comm_buffers()
-        anywhere = self._agree_at_step(entry, rules)
+        anywhere = self._agree_at_step(opened, rules)
         self.reduce_gradients(self._parameter_list, self._hcg)
         self._assign_slice_grad()
         # Differs from Paddle, which steps every slice: as torch and v1, a param no rank has

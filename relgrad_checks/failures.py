@@ -46,18 +46,28 @@ def _mean_loss(out, y):
 # ---------------------------------------------------------------- kind 1: a stage fails alone
 
 def moved_grad_on_one_stage(rank, world):
-    """The issue's example: pp 2 x sharding 2, v1, pipeline sharding overlap, release off;
-    stage 1 rebinds its grad out of place after step 1. Returns what step 2 raised here."""
-    st = _pp_strategy(2, 2, 2, sharding_comm_overlap=True)
-    hcg = HybridCommunicateGroup(st)
-    model = PipelineParallel([Scale(), Scale()], hcg, st, _mean_loss)
-    opt = DygraphShardingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hcg, st)
-    data = (torch.ones(4, 1), torch.zeros(4, 1))
-    model.train_batch(data, opt)
-    if hcg.get_stage_id() == 1:
-        for p in model.parameters():
-            p.grad = p.grad / 2  # out of place: no longer the buffer's view
-    return _caught(model.train_batch, data, opt)
+    """pp 2 x sharding 2, v1, pipeline sharding overlap, release off; stage 1 rebinds its grads
+    out of place after step 1 (the zeroed slot's values, halved). Returns the params after
+    step 2, whether the grads sit in their slots again, and the params of the same run
+    without the rebind."""
+    runs = []
+    for rebind in (True, False):
+        st = _pp_strategy(2, 2, 2, sharding_comm_overlap=True)
+        hcg = HybridCommunicateGroup(st)
+        torch.manual_seed(0)
+        model = PipelineParallel([Scale(), Scale()], hcg, st, _mean_loss)
+        opt = DygraphShardingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hcg, st)
+        data = (torch.arange(4.0).reshape(4, 1), torch.zeros(4, 1))
+        model.train_batch(data, opt)
+        if rebind and hcg.get_stage_id() == 1:
+            for p in model.parameters():
+                p.grad = p.grad / 2  # out of place: no longer the buffer's view
+        model.train_batch(data, opt)
+        buffers = model._chunk_2_comm_buffers[0]
+        home = all(p.grad.untyped_storage().data_ptr() ==
+                   b.grad_storage.untyped_storage().data_ptr() for b in buffers for p in b.params)
+        runs.append(([p.detach().clone() for p in model.parameters()], home))
+    return runs
 
 
 def stage_never_arrives(rank, world, seconds):

@@ -233,11 +233,19 @@ def _check_misuse(rank, world):
         buf.add_grad(nn.Parameter(torch.zeros(4)))
     for p in params:
         p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
-    params[0].grad = params[0].grad * 2  # out of place: the grad leaves its slot
-    with pytest.raises(ValueError, match="address of the grad"):
-        sum(p.sum() for p in params).backward()
+    params[0].grad = params[0].grad * 2  # out of place between steps: back in its slot (DDP)
+    sum(p.sum() for p in params).backward()
+    buf.scale_grads()
+    assert params[0].grad.data_ptr() == buf.grad_storage.data_ptr()
+    assert torch.equal(params[0].grad, torch.ones(4))
     with pytest.raises(RuntimeError, match=r"no collective in flight.*missing: #0 \(0 of 1\)"):
         buf.scale_grads()
+    twice = FusedCommBuffer(1, _new_params([(4,)]), None, 2, act=HOOK_ACTION.ALL_REDUCE)
+    twice.params[0].register_post_accumulate_grad_hook(bw_hook_func(twice, twice.params[0]))
+    twice.params[0].sum().backward()
+    twice.params[0].grad = twice.params[0].grad * 2  # out of place within a step
+    with pytest.raises(ValueError, match="address of the grad"):
+        twice.params[0].sum().backward()
     with pytest.raises(RuntimeError, match="release_grads=False: its grad buffer must persist"):
         buf._clear_grad_storage()
     for acc_steps in (0, 2.5):

@@ -33,29 +33,19 @@ _DONE = _Done()
 
 
 class CommQueue:
-    """The buckets of one builder whose collectives are in flight, in issue order.
-
-    At every check-in the queue completes the buckets whose collective has finished (gloo's
-    usually still run then: they share the cores with backward); a bucket that allocates its
-    buffer first completes every bucket in flight; issuing a bucket completes the ones issued
-    before it. So at most one full bucket lives beside the shards: P + O + G/S + one bucket.
-    Waiting is local: every rank still issues the same collectives in the same order.
+    """The buckets of one builder, hooked to one backward. At every check-in the queue
+    completes (scales and frees) the buckets whose collective has already finished; it never
+    waits for one inside backward, where another rank may not have issued it yet (a rank whose
+    backward skipped a param issues its buckets only at step()). In flight means `_task` is
+    set and not `_DONE`, so a settle, which resets `_task`, also empties the queue.
     """
 
-    def __init__(self):
-        self.in_flight = []
-
-    def complete_all(self):
-        for buffer in list(self.in_flight):
-            buffer._complete_comm()
-
-    def issued(self, buffer):
-        self.complete_all()
-        self.in_flight.append(buffer)
+    def __init__(self, buffers):
+        self.buffers = list(buffers)
 
     def poll(self):
-        for buffer in list(self.in_flight):
-            if buffer._task.is_completed():
+        for buffer in self.buffers:  # no local for the task: the work holds the buffer
+            if buffer._task not in (None, _DONE) and buffer._task.is_completed():
                 buffer._complete_comm()
 
 
@@ -72,7 +62,7 @@ def plug(buffers):
     """Make `buffers` (built together, hooked to one backward) FreeInCommBuffers sharing one
     `CommQueue`: each bucket is completed and freed during backward, as soon as its collective
     is done. The same objects: the lists and hooks that hold them keep working."""
-    queue = CommQueue()
+    queue = CommQueue(buffers)
     for buffer in buffers:
         _check(buffer)
         buffer.__class__ = FreeInCommBuffer
@@ -101,17 +91,6 @@ class FreeInCommBuffer(FusedCommBuffer):
                              "the optimizer step drop the grads and call release()")
         super().add_grad(param, use_comm)
 
-    def _copy_grad_to_buffer(self, param):
-        first = self._params_step_dict.get(param) == 0
-        if self.grad_storage is None and first and self._comm_queue is not None:
-            self._comm_queue.complete_all()  # free the buckets in flight before allocating
-        super()._copy_grad_to_buffer(param)
-
-    def _comm_grads(self):
-        super()._comm_grads()
-        if self._comm_queue is not None:
-            self._comm_queue.issued(self)
-
     def scale_grads(self, agree_in_flight=True):
         if self._task is _DONE:  # completed (and freed) by the queue during backward
             self._reset_params_checked_in()
@@ -124,8 +103,6 @@ class FreeInCommBuffer(FusedCommBuffer):
     @torch.no_grad()
     def _complete_comm(self):
         """Wait, scale what this rank reads, free the rest."""
-        if self._comm_queue is not None and self in self._comm_queue.in_flight:
-            self._comm_queue.in_flight.remove(self)
         self._task.wait()
         self._task = _DONE  # let go of the work: it holds the buffer
         scale = self._scales_after_comm and self._reads()
