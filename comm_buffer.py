@@ -162,6 +162,19 @@ def comm_device(params, group):
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
+@torch.no_grad()
+def broadcast_buffers(module, group=None):
+    """DDP's `broadcast_buffers=True`: `module`'s buffers (BatchNorm's running stats) from the
+    first rank of `group` (None = WORLD), in place. Call it where DDP broadcasts them: before
+    each step's first forward, and before an eval pass."""
+    src = global_rank(group, 0)
+    works = []
+    for buffer in module.buffers():
+        works.append(dist.broadcast(buffer, src, group=group, async_op=True))
+    for work in works:
+        work.wait()
+
+
 def main_grad_or_grad(param):
     """The grad an optimizer reads: `param.main_grad` when set (fp32), else `param.grad`."""
     main_grad = getattr(param, "main_grad", None)
@@ -324,14 +337,16 @@ def _disagreement(problems, seen, title=None):
         if where:
             shown = "; ".join(f"global rank {r}: {d}" for r, d in where[:4])
             texts.append(f"{rule} (seen on {len(where)} rank(s): {shown})")
+    differ = []
     for name in dict.fromkeys(n for _, _, vs in seen for n in vs):  # every rank's names, in order
         values = {}
         for r, _, vs in seen:
             if vs.get(name) is not None:
                 values.setdefault(repr(vs[name]), []).append(r)
         if len(values) > 1:
-            texts.append(f"{name} differs across ranks: " + ", ".join(
+            differ.append(f"{name} differs across ranks: " + ", ".join(
                 f"{v[:120]} on global rank(s) {rs}" for v, rs in values.items()))
+    texts += differ[:3] + [f"and {len(differ) - 3} more values differ"] * (len(differ) > 3)
     if title and any(" differs across ranks: " in t for t in texts):
         texts.insert(0, title)
     return "; ".join(texts)
@@ -408,11 +423,13 @@ class FusedCommBuffer:
     def _agree_on_layout(self):
         """Every rank of comm_group built this bucket alike; an ALL_REDUCE bucket's params then
         start from the group's first rank, as DDP's (module buffers: broadcast them yourself)."""
-        agree([self._comm_group], same=[("the bucket (params, elements, bytes per element)", (
-            len(self._params), self.buffer_size, self._dtype.itemsize))],
-            device=self._params[0].device, title=f"bucket {self._id}: every rank of comm_group "
-            "must build this bucket: pass the group that holds the same params (the dp group "
-            "of this pipeline stage, e.g. hcg.get_data_parallel_group())")
+        same = [("the number of params", len(self._params))]
+        for i, p in enumerate(self._params):
+            same.append((f"param #{i} (shape, dtype)", (tuple(p.shape), str(p.dtype))))
+        agree([self._comm_group], same=same,
+              via_store=True, title=f"bucket {self._id}: every rank of comm_group must build "
+              "this bucket: pass the group that holds the same params (the dp group of this "
+              "pipeline stage, e.g. hcg.get_data_parallel_group())")
         if self._act == HOOK_ACTION.ALL_REDUCE:
             for work in [dist.broadcast(p.detach(), global_rank(self._comm_group, 0), async_op=True,
                                         group=self._comm_group) for p in self._params]:
@@ -462,8 +479,10 @@ class FusedCommBuffer:
         if param not in self._params_step_dict:
             what = self._name(param) if param in self._index else (
                 f"a param of shape {tuple(param.shape)}")
-            raise ValueError(f"add_grad: {what} is not in bucket {self._id}, or already in "
-                             f"acc_steps={self._acc_steps} times; end a step with scale_grads()")
+            raise ValueError(f"add_grad: {what} is not in bucket {self._id}, or checked in "
+                             f"more than acc_steps={self._acc_steps} times this step: acc_steps "
+                             "is the number of micro-batches (backward passes) per step; end "
+                             "each step with scale_grads()")
         if self.use_main_grad and param.grad is not None:
             raise ValueError(f"add_grad: {self._name(param)} still has its low-precision grad: "
                              "register_main_grad_hooks before the buffer's hooks")

@@ -16,8 +16,8 @@ from torch import nn
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, agree, assign_group_by_size, comm_device,
                          global_rank, is_timeout_error, main_grad_or_grad as _grad)
-from relgrad import check_current_device, group_timeout
-from sharding import (BucketScheduler, _check_grad_clip, _comm_buffer_bytes,
+from relgrad import check_current_device, clear_grad_func, group_timeout
+from sharding import (BucketScheduler, GradMarks, _check_grad_clip, _comm_buffer_bytes,
                       agreed_all_reduce_mean, extras, norm_groups, plug_free_in_comm)
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
@@ -104,6 +104,7 @@ class PipelineParallel(nn.Module):
         self._shared = self._shared_weights(shared_weights, bounds)
         self._scheduler = BucketScheduler(fire_on_hook=not self._interleaved)
         self._grad_clip, self._phase = None, "idle"  # "scheduled": grads wait for the step
+        self._marks = GradMarks(list(self._layers.parameters()))  # for a plain optimizer
 
     _interleaved = False
 
@@ -230,7 +231,6 @@ class PipelineParallel(nn.Module):
         except (ValueError, TypeError) as error:
             refused = error
         self._agree_at_entry(refused, data)
-        self.train()
         loss = self._schedule(data)
         self._optimizer_step()
         return loss
@@ -341,7 +341,6 @@ class PipelineParallel(nn.Module):
     def eval_batch(self, data, compute_loss=True):
         """Forward only, on every rank of the pipe: the mean loss (else the last outputs)."""
         inputs, labels = self._micro_batches(data)
-        self.eval()
         self._meta_sent = self._meta_recv = None
         self._total_loss = torch.zeros((), device=self._device())
         outputs, last = [], self.stage_id == self.num_stages - 1
@@ -415,6 +414,7 @@ class PipelineParallel(nn.Module):
                     buffer._clear_grad_storage()
         else:
             _clear_grad(self.optimizer, set_to_zero=True)
+        self._marks.clear()  # beyond Paddle (skippable): nothing written since
 
         if self.lr_scheduler:
             self.lr_scheduler.step()
@@ -448,9 +448,15 @@ class PipelineParallel(nn.Module):
         hcg = self._hcg
         if hasattr(self.optimizer, "finish_grad_sync"):
             self.optimizer.finish_grad_sync()
-        elif hcg.get_data_parallel_world_size() > 1:  # the hyper-parameters agreed too
-            agreed_all_reduce_mean(params, hcg.get_data_parallel_group(), self._device(),
-                                   self.optimizer.param_groups, reduce=not self._dp_comm_overlap)
+            return
+        written = self._marks.written()
+        if hcg.get_data_parallel_world_size() > 1:  # the hyper-parameters agreed too
+            written = agreed_all_reduce_mean(params, hcg.get_data_parallel_group(), self._device(),
+                                             self.optimizer.param_groups, written,
+                                             reduce=not self._dp_comm_overlap)
+        for p, some_rank in zip(params, written):
+            if not some_rank:  # a zeroed grad no rank wrote (release off): not stepped, as torch
+                clear_grad_func(p, set_to_zero=False)
 
     @torch.no_grad()
     def _discard_grads(self):
@@ -458,6 +464,7 @@ class PipelineParallel(nn.Module):
         self._phase = "idle"
         if self.optimizer is not None:
             _clear_grad(self.optimizer, set_to_zero=not self._release_gradients)
+            self._marks.clear()
         if self._release_gradients:
             for buffer in (b for bs in self._chunk_2_comm_buffers.values() for b in bs):
                 buffer._clear_grad_storage()

@@ -255,7 +255,7 @@ class _Wrapper(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("closure is not supported by the sharding wrappers; call the "
                              "model yourself and then step()")
-        if getattr(self, "grad_scale", None) is not None:
+        if hasattr(self, "grad_scale"):  # set by GradScaler.step(), None after unscale_()
             raise ValueError("torch.amp.GradScaler cannot drive this optimizer (it checks each "
                              "rank's grads before the reduce): use bf16 with fp32 main grads")
         getattr(self._inner_opt, "check_template", lambda: None)()

@@ -42,19 +42,22 @@ def all_reduce_mean(grads, group):
 
 
 @torch.no_grad()
-def agreed_all_reduce_mean(params, group, device=None, param_groups=(), reduce=True):
+def agreed_all_reduce_mean(params, group, device=None, param_groups=(), here=None, reduce=True):
     """dp sync with the same collectives on every rank (a grad some rank lacks: zeros, as DDP);
-    the hyper-parameters agreed. `reduce=False`: agree only (the buffers reduced them)."""
+    the hyper-parameters agreed. `here`: per param, written on this rank (default: has a
+    grad); `reduce=False`: agree only (the buffers reduced them). Returns: written anywhere."""
     params = list(params)
-    if params:
-        densify_grads(params)
-        here = [_grad(p) is not None for p in params]
-        anywhere = agree([group], same=hyper_parameters(param_groups), flags=here,
-                         device=device or params[0].device, title="every rank that holds the "
-                         "same params must step with the same hyper-parameters")
-        if reduce:
-            _fill_missing_grads(params, anywhere, here)
-            all_reduce_mean([_grad(p) for p, a in zip(params, anywhere) if a], group)
+    if not params:
+        return []
+    densify_grads(params)
+    here = [_grad(p) is not None for p in params] if here is None else here
+    anywhere = agree([group], same=hyper_parameters(param_groups), flags=here,
+                     device=device or params[0].device, title="every rank that holds the "
+                     "same params must step with the same hyper-parameters")
+    if reduce:
+        _fill_missing_grads(params, anywhere, here)
+        all_reduce_mean([_grad(p) for p, a in zip(params, anywhere) if a], group)
+    return anywhere
 
 
 def _fill_missing_grads(params, anywhere, here):  # zeros where only other ranks wrote
@@ -93,6 +96,76 @@ INCOMPLETE_RULE = ("a bucket was not complete after accumulate_steps={acc} backw
                    "trainable param needs a grad in each, on every rank (an unused branch, or a "
                    "reentrant torch.utils.checkpoint whose input needs no grad: pass "
                    "use_reentrant=False); clear this step")
+
+
+IN_PLACE_RULE = ("a grad changed in place between backward and step(), before step() reduces it "
+                 "(torch's clip_grad_norm_ or GradScaler.unscale_ on each rank's local grads): "
+                 "clip with opt.clip_grad_norm_(max_norm), or change grads after "
+                 "opt.finish_grad_sync(); clear this step")
+
+
+class GradMarks:
+    """Beyond Paddle: which params got a grad since `clear()` (by backward, through a hook, or
+    assigned by hand), and whether a grad changed in place after the backward that wrote it."""
+
+    def __init__(self, params):
+        self.params, self._written, self._hooks, self._events = params, {}, {}, [0]
+        self.clear()
+        weakref.finalize(self, _remove_hooks, self._hooks)
+
+    def clear(self):
+        """Forget what was written; hook every trainable param (one unfrozen since, too)."""
+        self._written.clear()
+        self._events[0] = 0
+        self._cleared = {}
+        for p in self.params:
+            if _grad(p) is not None:
+                self._cleared[id(p)] = id(_grad(p))
+            if p.requires_grad and id(p) not in self._hooks:
+                mark = _marker(self._written, self._events)
+                self._hooks[id(p)] = p.register_post_accumulate_grad_hook(mark)
+
+    def written(self):
+        """Per param: a grad written since the last clear (by backward, or assigned by hand)."""
+        flags = []
+        for p in self.params:
+            by_hand = _grad(p) is not None and self._cleared.get(id(p)) != id(_grad(p))
+            flags.append(id(p) in self._written or by_hand)
+        return flags
+
+    def changed_in_place(self):
+        """The params whose grad's version moved more since their last backward than the
+        later backwards' in-place adds could move it (grads that view one buffer share one
+        version counter): a clip or an unscale of every grad moves the last one written."""
+        changed = []
+        for p in self.params:
+            grad, seen = _grad(p), self._written.get(id(p))
+            if grad is not None and seen is not None and seen[2] == id(grad):
+                if grad._version - seen[0] > self._events[0] - 1 - seen[1]:
+                    changed.append(p)
+        return changed
+
+
+def _marker(written, events):
+    """A grad hook noting its param's grad (version, hook number, id); it holds no param and
+    no grad (a cycle through a tensor's hooks is never freed; a grad would stay alive)."""
+    def mark(param):
+        written[id(param)] = (_grad(param)._version, events[0], id(_grad(param)))
+        events[0] += 1
+    return mark
+
+
+def _remove_hooks(hooks):
+    for handle in hooks.values():
+        handle.remove()
+
+
+def _param_names(params, parameter_list, shown=3):
+    """'param #i (shape, dtype)' for `params` (the first `shown`), or None if empty."""
+    index = {id(p): i for i, p in enumerate(parameter_list)}
+    names = [f"param #{index[id(p)]} (shape {tuple(p.shape)}, {p.dtype})" for p in params]
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more if names else None
 
 
 class BucketScheduler:
@@ -272,8 +345,7 @@ class _Sharding(_Wrapper):
             raise ValueError(problem)  # again: a strategy is mutable
         self._grad_clip = _check_grad_clip(grad_clip)
         self._scheduler = BucketScheduler()
-        self._phase, self._written, self._marked = "idle", set(), {}  # the step's state
-        weakref.finalize(self, lambda marked: [h.remove() for h in marked.values()], self._marked)
+        self._phase, self._marks = "idle", GradMarks(self._parameter_list)  # the step's state
 
     @property
     def comm_buffers(self):  # its own FusedCommBuffers, or (v2 under pp overlap) the pipeline's
@@ -317,25 +389,15 @@ class _Sharding(_Wrapper):
     # ---- a step's state: one phase, and the grads written since the last clear ----
 
     def _finish_clear(self, error=None):
-        """At a clear: forget what was written, note each grad object (one assigned by hand later
-        counts), hook every trainable param (unfrozen since, too) to report its backward."""
+        """At a clear: the marks cleared, the hyper-parameters' structure noted; `error` raised."""
         self._hyper_shape = hyper_parameters(self.param_groups)  # the agreement's structure
-        self._written.clear()
+        self._marks.clear()
         self._scheduler.closed = False
-        self._as_cleared = {id(p): id(g) for p in self._parameter_list
-                            if (g := _grad(p)) is not None}
-        mark = self._written.add
-        for p in self._parameter_list:
-            if p.requires_grad and id(p) not in self._marked:
-                self._marked[id(p)] = p.register_post_accumulate_grad_hook(lambda q: mark(id(q)))
         if error is not None:
             raise error
 
     def _has_grad(self):
-        """Per param: written since the last clear (by backward, or assigned by hand)."""
-        return [id(p) in self._written or ((g := _grad(p)) is not None
-                                           and self._as_cleared.get(id(p)) != id(g))
-                for p in self._parameter_list]
+        return self._marks.written()
 
     def _agree_at_step(self, opened, rules=()):
         """Open a step alike everywhere (one all-reduce): misuse, the entry (clip_grad_norm_'s
@@ -348,7 +410,11 @@ class _Sharding(_Wrapper):
             self._agree_on_call("step()")
             self._scheduler.fire()
         dropped = self._phase == "dropped" and not any(has)
-        problems = list(rules or _clip_rules()) + self._misuse_rules() + [(
+        reduced_here = not (self.comm_overlap or self.pp_overlap or self._hcg.
+                            get_pipe_parallel_world_size() > 1)  # step() reduces local grads
+        changed = self._marks.changed_in_place() if reduced_here else []
+        problems = list(rules or _clip_rules()) + self._misuse_rules() + [
+            (IN_PLACE_RULE, _param_names(changed, self._parameter_list))] + [(
             "did zero_grad() run between backward and step() on some rank, with no backward "
             "after it? Its grads would count as zeros: clear grads after step()",
             "grads dropped" if dropped else None)]
@@ -380,9 +446,20 @@ class _Sharding(_Wrapper):
     @torch.no_grad()
     def step(self, closure=None):
         """Agree, reduce, dp all-reduce (unless finish_grad_sync ran), clip, step, broadcast."""
-        self._check_step_args(closure)
+        try:
+            self._check_step_args(closure)
+        except ValueError:
+            self._phase = "failed" if self._phase != "reduced" else self._phase
+            raise
         if self._phase != "reduced":
             self._first_half()
+        self._update()
+
+    step.hooked = True  # torch would run the step hooks before the reduce: `_update` runs them
+
+    @torch.optim.Optimizer.profile_hook_step
+    def _update(self):
+        """torch's step pre-hooks (they see the reduced grads), clip, step, broadcast, post-hooks."""
         if self._grad_clip is not None:  # Paddle's: on the reduced grads this rank steps
             self._grad_clip(self._clip_pairs(), norm_groups(self._hcg), self._flags_device())
         self._inner_opt.step()
@@ -621,12 +698,7 @@ class DygraphShardingOptimizer(_Sharding):
 
     @torch.no_grad()
     def clear_grad(self, set_to_zero=True):
-        """Zero or drop every grad, then free its own buffers (release, comm_overlap). Beyond
-        Paddle's v1: dropping grads a persistent buffer holds raises, as v2's seed does."""
-        persistent = (not self._pp_flag if self.pp_overlap  # the pipeline's: the PP flag alone
-                      else self.comm_overlap and not self.pp_release_grads)
-        if persistent and not set_to_zero:
-            raise ValueError(_ERASE_MSG)
+        """Zero or drop every grad, then free its own buffers (release, comm_overlap)."""
         error = self._settle_for_clear()  # beyond Paddle (skippable): own overlap in flight
         for p in self._parameter_list:
             clear_grad_func(p, set_to_zero)

@@ -141,7 +141,6 @@ def _probe(collectives, release, fires_at, overlap):
         collectives.clear()
         try:
             model._prepare_training(opt, None)
-            model.train()
             loss = model._schedule(data)  # as train_batch: no entry agreement in the window
         finally:
             FusedCommBuffer._copy_grad_to_buffer = original

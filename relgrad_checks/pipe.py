@@ -99,7 +99,6 @@ def _release_probe(collectives, release, overlap):
         collectives.clear()
         try:
             model._prepare_training(opt, None)
-            model.train()
             loss = model._schedule(data)  # as train_batch: no entry agreement in the window
             buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]
             assert bool(buffers) == overlap, (len(buffers), overlap)

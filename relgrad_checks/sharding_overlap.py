@@ -359,7 +359,6 @@ def _train_pipe(hcg, version, strategy, record, free, steps=3, mbs=2):
         for buf in [b for bs in model._chunk_2_comm_buffers.values() for b in bs]:
             if not hasattr(buf, "_comm_group_rank"):
                 _watch(buf, record, free)
-        model.train()
         model.forward_backward_pipeline((x, y))
         model._optimizer_step()
         traj.append([p.detach().clone() for p in model.parameters()])

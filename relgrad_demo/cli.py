@@ -24,7 +24,8 @@ seed and data. Prints each step's loss, what ran (strategy, fused grad buffers p
 per rank the bytes each run holds between steps and at its peak (from the allocator), where
 the memory goes within one step, the step times (median and spread, off vs on), and whether
 the runs are bitwise equal. --peers instead trains the same LM under this repo's sharding v2
-and torch's DDP + ZeroRedundancyOptimizer and FSDP2 (2 processes) and compares them."""
+and torch's DDP + ZeroRedundancyOptimizer and FSDP2 (2 processes) and compares them;
+--peers --dp compares the README's recipe (a) (release off, on) with torch's DDP."""
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -72,7 +73,10 @@ def parse_args(argv=None):
                    "plan with what the main job measures, at three sizes (minutes)")
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (pp_degree)")
     p.add_argument("--sharding", type=int, default=2, help="ZeRO-1 shards (sharding_degree)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (dp_degree)")
+    p.add_argument("--dp", type=int, nargs="?", default=1,
+                   help="data-parallel replicas (dp_degree); --peers --dp (no value, or 2): "
+                   "data parallel 2 instead, the README's recipe (a) (FusedCommBuffer "
+                   "all-reduce, release off and on) against torch's DDP")
     p.add_argument("--split-param", action="store_true",
                    help="sharding v2 (flat param shards, reduce-scatter) instead of v1")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
@@ -130,6 +134,11 @@ def parse_args(argv=None):
                    "relgrad_demo/peers.py)")
     p.set_defaults(modes=["off", "on"])
     args = p.parse_args(argv)
+    if args.dp is None and not args.peers:
+        p.error("--dp without a value is --peers --dp (recipe (a) against DDP): add --peers, "
+                "or give the main job's degree, e.g. --dp 2")
+    dp_peers = args.peers and args.dp in (None, 2)
+    args.dp = 2 if args.dp is None else args.dp
     for flag in ("pp", "sharding", "dp", "steps", "micro_batches", "micro_batch_size", "layers"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -149,11 +158,16 @@ def parse_args(argv=None):
     if args.peers:
         # only the flags that differ from what --peers runs (the defaults are not blamed)
         extra = [f"--{k} {v}" for k, v, ok in (("pp", args.pp, 2), ("sharding", args.sharding, 2),
-                                                ("dp", args.dp, 1)) if v != ok]
+                                                ("dp", args.dp, 1 + dp_peers)) if v != ok]
         extra += ["--main-grad"] * args.main_grad + ["--split-param"] * args.split_param
         extra += [f"--vpp {args.vpp}"] * (args.vpp != 1)  # --free-grads-in-comm: a 5th row
+        if dp_peers:  # no sharding: nothing to free in comm, no bucket size; always overlapped
+            extra += ["--free-grads-in-comm"] * ("free" in args.modes)
+            extra += ["--no-overlap"] * (not args.overlap)
+            extra += [f"--comm-buffer-mb {args.comm_buffer_mb}"] * (args.comm_buffer_mb is not None)
         if extra:
-            p.error("--peers runs one layout, sharding v2 without pipeline in fp32 on 2 "
+            layout = "data parallel 2" if dp_peers else "sharding v2 without pipeline"
+            p.error(f"--peers{' --dp' * dp_peers} runs one layout, {layout} in fp32 on 2 "
                     f"processes; drop {' '.join(extra)}")
     if not (0 < args.lr < float("inf")):
         p.error(f"--lr must be a finite number > 0, got {args.lr}")

@@ -117,10 +117,12 @@ class PipelineRun:
         (`accumulate_steps` micro-batches of any equal size); returns the loss."""
         saved = self.model.micro_batch_size
         self.model.micro_batch_size = None  # batch / accumulate_steps per micro-batch
+        self.model.eval()  # eval_batch leaves the modes as set, as torch's schedules do
         try:
             return self.model.eval_batch((x, y))
         finally:
             self.model.micro_batch_size = saved
+            self.model.train()
 
     def grad_norm(self):
         """The global grad norm before clipping in the latest step (float; None: no clip)."""

@@ -5,11 +5,12 @@ of every batch, `micro_batches` micro-batches per step) under every system in `S
 repo's sharding v2 with release off and on (PipelineParallel with one stage), torch's
 DistributedDataParallel(gradient_as_bucket_view=True) + ZeroRedundancyOptimizer(AdamW), and
 FSDP2 (`fully_shard` on every layer and the root); with `--free-grads-in-comm` also v2 with
-release + free_grads_in_comm (`FREE_SYSTEM`). The runs live side by side and train in
-turns (`job.measure`), so the figures are the allocator's, each run's own, and the step times
-are paired. All start from the same weights; the losses and final params are compared with
-v2 off's: DDP + ZeRO computes the same sums in the same order (bitwise equal expected), FSDP2
-reduces in its own way (about 1e-7 apart).
+release + free_grads_in_comm (`FREE_SYSTEM`); with `--dp`, data parallel 2 instead: torch's DDP
+and the README's recipe (a), release off and on (`DP_SYSTEMS`). The runs live side by side and
+train in turns (`job.measure`), so the figures are the allocator's, each run's own, and the step
+times are paired. All start from the same weights; the losses and final params are compared
+with the first system's: DDP + ZeRO computes the same sums in the same order as v2 off, recipe
+(a) as DDP on 2 ranks (bitwise equal expected), FSDP2 reduces in its own way (about 1e-7 apart).
 
 To add a system: one line in SYSTEMS, a builder `build(ctx, ledger, recorder, tid)` (ctx: a
 `Context`) returning a run with `step(x, y) -> loss` and `params()` (full tensors, in the
@@ -30,6 +31,8 @@ from relgrad_demo.lm import Corpus, lm_layers, lm_loss
 from relgrad_demo.phases import PHASES
 from relgrad_demo.report import quartiles, time_ratio
 from relgrad import HybridCommunicateGroup
+from comm_buffer import (HOOK_ACTION, FusedCommBuffer, assign_group_by_size, broadcast_buffers,
+                         bw_hook_func)
 
 _now = time.perf_counter_ns
 
@@ -70,7 +73,7 @@ class _TorchRun:
     sync only on the last one; then the optimizer steps and `zero_grad()` drops the grads
     (torch's default, set_to_none=True). `phase_marks()`: (perf_counter ns, bytes) at each
     of `phases.PHASES` in the latest step; None at "after collectives" (its collectives
-    complete inside the last backward)."""
+    complete inside the last backward) unless `_sync()`, run after it, marks it."""
 
     def _mark(self, phase):
         self._marks[phase] = (_now(), self.ledger.now())
@@ -100,28 +103,35 @@ class _TorchRun:
                 self.recorder.span(f"B{k}", self.tid, t1, _now())
             total += loss.detach()
         self._mark(3)
+        self._sync()
         with self.recorder.timed("optimizer step", self.tid):
             self.optimizer.step()
         self._mark(5)
-        self.optimizer.zero_grad()
+        self._zero_grad()
         self._mark(6)
         return total
 
+    def _sync(self):  # recipe (a): scale_grads()
+        pass
 
-class DdpZeroRun(_TorchRun):
-    """torch's DistributedDataParallel(gradient_as_bucket_view=True) over the default group,
-    with ZeroRedundancyOptimizer(AdamW): each rank steps its share of the params."""
+    def _zero_grad(self):
+        self.optimizer.zero_grad()
 
-    def __init__(self, ctx, ledger, recorder, tid):
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+class DdpRun(_TorchRun):
+    """torch's DistributedDataParallel over the default group with its defaults
+    (gradient_as_bucket_view=False, broadcast_buffers=True) and plain AdamW."""
+
+    def __init__(self, ctx, ledger, recorder, tid, bucket_view=False):
         from torch.nn.parallel import DistributedDataParallel
         self.acc, self.recorder, self.tid = ctx.opts["micro_batches"], recorder, tid
         self.ledger, self._marks = ledger, [None] * len(PHASES)
         self.model = DistributedDataParallel(nn.Sequential(*self._layers(ctx)),
-                                             gradient_as_bucket_view=True)
-        self.optimizer = ZeroRedundancyOptimizer(
-            self.model.parameters(), optimizer_class=torch.optim.AdamW, lr=ctx.opts["lr"],
-            weight_decay=0.01)
+                                             gradient_as_bucket_view=bucket_view)
+        self.optimizer = self._optimizer(ctx)
+
+    def _optimizer(self, ctx):
+        return torch.optim.AdamW(self.model.parameters(), lr=ctx.opts["lr"], weight_decay=0.01)
 
     def step(self, x, y):
         """One step on a (batch, block) int64 batch; returns the loss (0-d fp32 tensor)."""
@@ -131,6 +141,59 @@ class DdpZeroRun(_TorchRun):
     def params(self):
         """The full params (each rank holds them all), in the layers' order."""
         return [p.detach() for p in self.model.module.parameters()]
+
+
+class DdpZeroRun(DdpRun):
+    """DdpRun with gradient_as_bucket_view=True and ZeroRedundancyOptimizer(AdamW): each
+    rank steps its share of the params."""
+
+    def __init__(self, ctx, ledger, recorder, tid):
+        super().__init__(ctx, ledger, recorder, tid, bucket_view=True)
+
+    def _optimizer(self, ctx):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer(
+            self.model.parameters(), optimizer_class=torch.optim.AdamW, lr=ctx.opts["lr"],
+            weight_decay=0.01)
+
+
+class RecipeARun(_TorchRun):
+    """The README's recipe (a): the params in FusedCommBuffer ALL_REDUCE buckets, each param
+    hooked with `bw_hook_func`; per step broadcast_buffers, the micro-batches, scale_grads()
+    ("after collectives"), AdamW, zero_grad(set_to_none=release), then release() if on."""
+
+    def __init__(self, release, ctx, ledger, recorder, tid):
+        self.acc, self.recorder, self.tid = ctx.opts["micro_batches"], recorder, tid
+        self.ledger, self._marks, self.release = ledger, [None] * len(PHASES), release
+        self.model = nn.Sequential(*self._layers(ctx))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=ctx.opts["lr"],
+                                           weight_decay=0.01)
+        buckets = assign_group_by_size(list(self.model.parameters()))
+        self.buffers = [FusedCommBuffer(i, bucket, None, self.acc, HOOK_ACTION.ALL_REDUCE,
+                                        release_grads=release) for i, bucket in buckets.items()]
+        for buffer in self.buffers:  # the hooks hold the buffers weakly: self keeps them
+            for p in buffer.params:
+                p.register_post_accumulate_grad_hook(bw_hook_func(buffer, p))
+
+    def step(self, x, y):
+        """One step on a (batch, block) int64 batch; returns the loss (0-d fp32 tensor)."""
+        broadcast_buffers(self.model, None)  # the LM has no module buffers: a no-op here
+        return self._train(x, y, lambda skip: contextlib.nullcontext())
+
+    def _sync(self):
+        with self.recorder.timed("scale_grads", self.tid):
+            for buffer in self.buffers:
+                buffer.scale_grads()
+        self._mark(4)
+
+    def _zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=self.release)
+        for buffer in self.buffers if self.release else ():
+            buffer.release()
+
+    def params(self):
+        """The params (each rank holds them all), in the layers' order."""
+        return [p.detach() for p in self.model.parameters()]
 
 
 class Fsdp2Run(_TorchRun):
@@ -172,10 +235,19 @@ SYSTEMS = {
 }
 # With --free-grads-in-comm: a fifth row, each bucket's unread part freed during backward.
 FREE_SYSTEM = ("v2 release + free-in-comm", partial(_v2, "free"))
+# With --dp (opts["dp"] 2): data parallel, no sharding; DDP is the baseline.
+DP_SYSTEMS = {
+    "DDP": DdpRun,
+    "recipe (a) release off": partial(RecipeARun, False),
+    "recipe (a) release on": partial(RecipeARun, True),
+}
 
 
 def systems(opts):
-    """The systems `opts` asks for: SYSTEMS, plus FREE_SYSTEM when "free" is in its modes."""
+    """The systems `opts` asks for: DP_SYSTEMS with dp > 1, else SYSTEMS, plus FREE_SYSTEM
+    when "free" is in its modes."""
+    if opts.get("dp", 1) > 1:
+        return dict(DP_SYSTEMS)
     chosen = dict(SYSTEMS)
     if "free" in opts.get("modes", ()):
         chosen[FREE_SYSTEM[0]] = FREE_SYSTEM[1]
@@ -190,7 +262,7 @@ def peers_job(rank, world_size, opts):
     Raises ValueError unless world_size is 2.
     """
     if world_size != 2:
-        raise ValueError(f"--peers runs on 2 processes (sharding 2), got {world_size}")
+        raise ValueError(f"--peers runs on 2 processes (sharding 2 or dp 2), got {world_size}")
     device = torch.device(opts.get("device") or "cpu")
     corpus = Corpus(opts)
     ctx = Context(opts, len(corpus.vocab), device)
@@ -216,7 +288,7 @@ def summarize(results, opts):
 
         config    processes, layout, steps, micro_batches, micro_batch_size, model params,
                   grad_bytes (G: the whole model's fp32 grads, bytes), systems (names)
-        baseline  the system the others are compared with ("v2 release off")
+        baseline  the system the others are compared with ("v2 release off"; --dp: "DDP")
         systems   per system:
           idle_bytes_allocator  per rank: bytes the run holds between steps (median after
                                 step 1), from the allocator, above the run's start
@@ -229,9 +301,9 @@ def summarize(results, opts):
           loss_max_abs_diff, param_max_abs_diff   against the baseline, over steps and ranks
           bitwise_equal         both are 0
           step_trace            per rank: the last step's memory samples, as in the main
-                                job's --json (report.py; for DDP + ZeRO and FSDP2 the
+                                job's --json (report.py; for the torch systems the
                                 phases are marked around their loop, "after collectives"
-                                null)
+                                null but for recipe (a))
         plot      with --plot only, as in the main job's --json (report.py)
     """
     ranks = sorted(results, key=lambda r: r["rank"])
@@ -260,7 +332,8 @@ def summarize(results, opts):
             "bitwise_equal": loss_diff == 0 and param_diff == 0,
             "step_trace": [m["step_trace"] for m in ms],
         }
-    config = {"processes": len(ranks), "layout": "sharding 2 without pipeline",
+    layout = "data parallel 2" if opts.get("dp", 1) > 1 else "sharding 2 without pipeline"
+    config = {"processes": len(ranks), "layout": layout,
               "steps": opts["steps"], "micro_batches": opts["micro_batches"],
               "micro_batch_size": opts["micro_batch_size"], "params": ranks[0]["params"],
               "grad_bytes": grad_bytes, "systems": names}

@@ -265,7 +265,6 @@ class PipelineParallelWithInterleave(PipelineParallel):
 
     def eval_batch(self, data, compute_loss=True):
         """Forward only, in the interleaved order; returns as `PipelineParallel.eval_batch`."""
-        self.eval()
         with torch.no_grad():
             return self._schedule(data, forward_only=True, compute_loss=compute_loss)
 
