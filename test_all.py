@@ -906,6 +906,32 @@ def test_peers_agree(ranks):
     peers.print_report(summary)
 
 
+def test_peers_dp_agree(ranks):
+    """Check that --peers --dp's recipe (a) ends bitwise equal to DDP and frees G with release."""
+    from relgrad_demo import peers
+    opts = {**demo_peers.OPTS, "dp": 2}  # the tiny LM of test_peers_agree, data parallel 2
+    results = ranks(2).run(peers.peers_job, opts)
+    summary = peers.summarize(results, opts)
+    assert summary["baseline"] == "DDP" and summary["config"]["layout"] == "data parallel 2"
+    systems = summary["systems"]
+    assert list(systems) == ["DDP", "recipe (a) release off", "recipe (a) release on"]
+    # 2 ranks in fp32: DDP's (grad * 1/2, then sum) and the buffer's (sum, then * 1/2) agree
+    assert systems["recipe (a) release off"]["bitwise_equal"] is True
+    assert systems["recipe (a) release on"]["bitwise_equal"] is True
+    # Between steps "off" keeps the buffer (every param's fp32 grad, padded) that "on" frees:
+    # at least the grad bytes, less test_peers_agree's 16 KiB for the figure's drift.
+    grad_bytes = summary["config"]["grad_bytes"]
+    off, on = (systems[n]["idle_bytes_allocator"] for n in ("recipe (a) release off",
+                                                            "recipe (a) release on"))
+    assert len(off) == len(on) == len(results) == 2
+    for rank in range(2):
+        assert off[rank] - on[rank] >= grad_bytes - 16384, (rank, off[rank] - on[rank], grad_bytes)
+    for name, v in systems.items():
+        assert len(v["losses"]) == opts["steps"], name
+        assert all(math.isfinite(loss) for loss in v["losses"]), (name, v["losses"])
+    peers.print_report(summary)
+
+
 # ---------------------------------------------------------------- --walkthrough
 
 def _tag_names(path):
