@@ -256,6 +256,7 @@ class _Wrapper(torch.optim.Optimizer):
             raise ValueError("closure is not supported by the sharding wrappers; call the "
                              "model yourself and then step()")
         if hasattr(self, "grad_scale"):  # set by GradScaler.step(), None after unscale_()
+            del self.grad_scale, self.found_inf  # GradScaler deletes them only after a step
             raise ValueError("torch.amp.GradScaler cannot drive this optimizer (it checks each "
                              "rank's grads before the reduce): use bf16 with fp32 main grads")
         getattr(self._inner_opt, "check_template", lambda: None)()

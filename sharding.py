@@ -99,9 +99,9 @@ INCOMPLETE_RULE = ("a bucket was not complete after accumulate_steps={acc} backw
 
 
 IN_PLACE_RULE = ("a grad changed in place between backward and step(), before step() reduces it "
-                 "(torch's clip_grad_norm_ or GradScaler.unscale_ on each rank's local grads): "
-                 "clip with opt.clip_grad_norm_(max_norm), or change grads after "
-                 "opt.finish_grad_sync(); clear this step")
+                 "(torch's clip_grad_norm_ on each rank's local grads): clip with "
+                 "opt.clip_grad_norm_(max_norm), or change grads after opt.finish_grad_sync(); "
+                 "clear this step")
 
 
 class GradMarks:
