@@ -7,9 +7,9 @@ allocates the buffer and `release()` frees it after the step. Phases: check in -
 -> wait and scale -> step -> release. Differs from the seed: 16-bit sums divide first. Leaves
 out: `use_reduce_avg`, timers, XPU; [later] free_grads_in_comm is in relgrad_extras/.
 """
+import hashlib
 import pickle
 import re
-import struct
 import weakref
 from collections import Counter, OrderedDict
 
@@ -24,7 +24,6 @@ ALIGNMENT_BYTES = 256  # Paddle's alignment["gpu"]: each slot starts on a 256-by
 
 def _grad_of(param, use_main_grad): return param.main_grad if use_main_grad else param.grad
 def _set_grad(param, use_main_grad, value): setattr(param, _GRAD[use_main_grad], value)
-def _addr(grad): return None if grad is None else grad.data_ptr()
 
 
 _GRAD = {True: "main_grad", False: "grad"}
@@ -40,8 +39,9 @@ class ShardingGradView:
     """A param's elements `[index, index + padded_size)` in a REDUCE_SCATTER bucket (Paddle's):
     `_param_begin:_param_end` its overlap with this rank's shard, `_slice_grad` the grad's."""
 
-    def __init__(self, param, param_buffer, grad_buffer, index, padded_size, sharding_degree,
-                 rank, use_main_grad=False, release_grad=False):
+    def __init__(self, param: torch.Tensor, param_buffer: torch.Tensor, grad_buffer, index: int,
+                 padded_size: int, sharding_degree: int, rank: int, use_main_grad: bool,
+                 release_grad: bool) -> None:
         self._param, self._param_buffer, self._grad_buffer = param, param_buffer, grad_buffer
         self._index, self._padded_size, self._use_main_grad = index, padded_size, use_main_grad
         shard = param_buffer.numel() // sharding_degree
@@ -51,18 +51,21 @@ class ShardingGradView:
         # Differs from Paddle: an overlap of padding only counts as empty (no slice, no state).
         self._has_local = self._param_begin < self._local_end
         self._slice_grad = None
+        # Seed hunk (reconstructed, point 1): with release, no grad bound to the buffer yet
         if not release_grad:
-            self._link_grad_to_buffer()
+            _set_grad(param, use_main_grad, self._slice_grad_from_buffer().view(param.shape))
         _share_param_buffer(param, param_buffer, index)
+
+    def piece(self):
+        """This rank's piece of the param, `(offset in the param, elements)`, or None."""
+        if not self._has_local:
+            return None
+        return self._param_begin - self._index, self._local_end - self._param_begin
 
     def _slice_grad_from_buffer(self):  # sets `_slice_grad`; returns the param's 1-D view
         if self._has_local:
             self._slice_grad = self._grad_buffer[self._param_begin : self._param_end]
         return self._grad_buffer[self._index : self._index + self._param.numel()]
-
-    def _link_grad_to_buffer(self):
-        grad = self._slice_grad_from_buffer().view(self._param.shape)
-        _set_grad(self._param, self._use_main_grad, grad)
 
     def fill_slice_param(self, slice_param):  # the 1-D view of this rank's piece
         slice_param.data = self._param_buffer[self._param_begin : self._param_end]
@@ -163,16 +166,21 @@ def comm_device(params, group):
 
 
 @torch.no_grad()
-def broadcast_buffers(module, group=None):
+def broadcast_each(tensors, group=None, src=None) -> None:
+    """Broadcast each tensor in place from `src` (a global rank; default: the group's first)."""
+    src = global_rank(group, 0) if src is None else src
+    works = []
+    for tensor in tensors:
+        works.append(dist.broadcast(tensor.detach(), src, group=group, async_op=True))
+    for work in works:
+        work.wait()
+
+
+def broadcast_buffers(module: torch.nn.Module, group=None) -> None:
     """DDP's `broadcast_buffers=True`: `module`'s buffers (BatchNorm's running stats) from the
     first rank of `group` (None = WORLD), in place. Call it where DDP broadcasts them: before
     each step's first forward, and before an eval pass."""
-    src = global_rank(group, 0)
-    works = []
-    for buffer in module.buffers():
-        works.append(dist.broadcast(buffer, src, group=group, async_op=True))
-    for work in works:
-        work.wait()
+    broadcast_each(module.buffers(), group)
 
 
 def main_grad_or_grad(param):
@@ -212,13 +220,21 @@ def assign_group_by_size(params, group_size=128 * 1024 * 1024):
     return OrderedDict((k, [params[i] for i in idx]) for k, idx in enumerate(closed))
 
 
-def bw_hook_func(buffer, param, use_comm=True):
-    """A post-accumulate grad hook calling `buffer.add_grad(param, use_comm)` (Paddle's), holding
-    the buffer weakly (torch never frees a cycle through a tensor's hooks)."""
-    return _weak_hook(lambda b, p: b.add_grad(p, use_comm=use_comm), buffer)
+def bw_hook_func(buffer: "FusedCommBuffer", param: torch.Tensor):
+    """A post-accumulate grad hook calling `buffer.add_grad(param)` (Paddle's), holding the
+    buffer weakly (torch never frees a cycle through a tensor's hooks)."""
+    return weak_hook(lambda owner, p: owner.add_grad(p), buffer)
 
 
-def _weak_hook(call, *owners):
+def first_few(names, shown=3):
+    """`names` joined, the first `shown` only ("and N more"); None if there are none."""
+    if not names:
+        return None
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def weak_hook(call, *owners):
     """A no-grad `hook(param)` calling `call(*owners, param)` through weak references."""
     refs = [weakref.ref(owner) for owner in owners]
 
@@ -240,37 +256,39 @@ _ROUNDS = Counter()  # (kind, ranks) -> store rounds this process ran (keys must
 _TIMEOUT_WORDS = re.compile(r"time[ds]?[ _-]?out|timing out|deadline exceeded", re.IGNORECASE)
 
 
-def _words(value):
-    """`value` (numbers, None, tuples / lists of them) as int64 words: float64 bits; None."""
-    if isinstance(value, (tuple, list)):
-        return [w for v in value for w in _words(v)]
-    return [_NONE if value is None else struct.unpack("<q", struct.pack("<d", float(value)))[0]]
-
-
 def agree(groups, problems=(), same=(), flags=(), device=None, timeout=None, via_store=False,
-          title=None):
+          title=None) -> list:
     """Agree over every rank of `groups` (in turn; None = WORLD). Beyond Paddle.
 
     `problems`: `[(rule, detail)]`, detail what this rank saw (str) or None. `same`: `[(name,
-    value)]` equal everywhere (numbers, None, tuples of a fixed width); `title` the rule it
-    states. `flags`: bools, returned OR-ed. `timeout`: TimeoutError, `.absent` the ranks that
-    never came. `via_store`: any picklable values. One MAX all-reduce of int64 words (`same`
-    as `(w, ~w)`); only if something is flagged every rank gathers the details and raises.
+    value)]` equal on every rank that has a value (None: no value here; a dict: each of its
+    items); `title` states their rule. `flags`: bools, returned OR-ed. One MAX all-reduce of a
+    word per problem and flag and, per value, a 64-bit digest of its text with the digest's
+    complement (MAX of both shows any difference); only if something is flagged does every
+    rank gather the details and raise the same ValueError. `timeout`: TimeoutError, `.absent`
+    the ranks that never came. `via_store`: the store instead of a collective.
     """
-    mine = (dist.get_rank(), [d for _, d in problems], dict(same))
+    mine = (dist.get_rank(), [None if d is None else (rule, d) for rule, d in problems], dict(same))
     if via_store:
         seen = _gather(mine, groups, via_store=True)
-        if any(d is not None for _, ds, _ in seen for d in ds) or len(
-                {repr(vs) for _, _, vs in seen}) > 1:
+        details = [d for _, ds, _ in seen for d in ds]
+        if any(d is not None for d in details) or len({repr(vs) for _, _, vs in seen}) > 1:
             raise ValueError(_disagreement(problems, seen, title))
         return []
     body = [int(d is not None) for _, d in problems] + [int(bool(f)) for f in flags]
-    body += [x for _, v in same for w in _words(v) for x in ((w, w) if w == _NONE else (w, ~w))]
+    for _, value in same:
+        body += [_NONE, _NONE] if value is None else [_digest(value), ~_digest(value)]
     got = _all_max(body, groups, device, timeout)
     n, pairs = len(problems), got[len(problems) + len(flags):]
-    if any(got[:n]) or any(a != b and a != ~b for a, b in zip(pairs[::2], pairs[1::2])):
+    differs = any(a != b and a != ~b for a, b in zip(pairs[::2], pairs[1::2]))
+    if any(got[:n]) or differs:
         raise ValueError(_disagreement(problems, _gather(mine, groups), title))
     return [bool(f) for f in got[n : n + len(flags)]]
+
+
+def _digest(value):  # 64 bits of a hash of the value's exact text, as a signed int64
+    raw = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little", signed=True)
 
 
 def _all_max(values, groups, device, timeout):
@@ -332,15 +350,15 @@ def _gather(obj, groups, via_store=False):
 def _disagreement(problems, seen, title=None):
     """The text every rank raises: each rule seen (where, what), each value that differs."""
     texts = []
-    for i, (rule, _) in enumerate(problems):
+    for i in range(len(problems)):  # each rule's text as the ranks that saw it sent it
         where = [(r, ds[i]) for r, ds, _ in seen if ds[i] is not None]
         if where:
-            shown = "; ".join(f"global rank {r}: {d}" for r, d in where[:4])
-            texts.append(f"{rule} (seen on {len(where)} rank(s): {shown})")
-    differ = []
-    for name in dict.fromkeys(n for _, _, vs in seen for n in vs):  # every rank's names, in order
+            shown = "; ".join(f"global rank {r}: {d}" for r, (_, d) in where[:4])
+            texts.append(f"{where[0][1][0]} (seen on {len(where)} rank(s): {shown})")
+    differ, flat = [], [(r, _items(vs)) for r, _, vs in seen]
+    for name in dict.fromkeys(n for _, vs in flat for n in vs):  # every rank's names, in order
         values = {}
-        for r, _, vs in seen:
+        for r, vs in flat:
             if vs.get(name) is not None:
                 values.setdefault(repr(vs[name]), []).append(r)
         if len(values) > 1:
@@ -350,6 +368,13 @@ def _disagreement(problems, seen, title=None):
     if title and any(" differs across ranks: " in t for t in texts):
         texts.insert(0, title)
     return "; ".join(texts)
+
+
+def _items(values):  # a dict value stands for each of its items
+    items = {}
+    for name, value in values.items():
+        items.update(value if isinstance(value, dict) else {name: value})
+    return items
 
 
 def is_timeout_error(error):
@@ -378,14 +403,14 @@ class FusedCommBuffer:
     Args: `id` (for messages); `params` (trainable, one dtype and device); `comm_group` (None
     = WORLD); `acc_steps` (check-ins per param before the collective); `act` (HOOK_ACTION);
     `dst` (REDUCE: the owner's *global* rank); `use_main_grad` (None: whether params[0] has
-    one); `fuse_param`; `scale_after_comm`; `release_grads`. `grad_storage`: 1-D, `buffer_size`
+    one); `fuse_param`; `release_grads`. `grad_storage`: 1-D, `buffer_size`
     elements, None while released. A step: `acc_steps` backwards through the hooks
     (`bw_hook_func`), `scale_grads()`, step, then zero the grads (release off) or drop them
     and `release()`.
     """
 
     def __init__(self, id, params, comm_group, acc_steps=1, act=None, dst=-1,
-                 use_main_grad=None, fuse_param=False, scale_after_comm=True, release_grads=False):
+                 use_main_grad=None, fuse_param=False, release_grads=False):
         # Seed hunk (reconstructed, point 5): fuse_param with release is refused (an assert)
         if fuse_param and release_grads:
             raise ValueError("FusedCommBuffer: fuse_param=True and release_grads=True cannot be "
@@ -398,7 +423,7 @@ class FusedCommBuffer:
         self._id, self._params, self._acc_steps = id, params, acc_steps
         self._index = {p: i for i, p in enumerate(params)}
         self._comm_group, self._nranks = comm_group, dist.get_world_size(comm_group)
-        self._act, self._dst, self._scale_after_comm = act, dst, scale_after_comm
+        self._act, self._dst = act, dst
         self._fuse_param, self._release_grads = fuse_param, release_grads
         self.use_main_grad = (use_main_grad if use_main_grad is not None
                               else hasattr(params[0], "main_grad"))
@@ -415,9 +440,13 @@ class FusedCommBuffer:
                     params, self._nranks, dist.get_rank(comm_group), self.use_main_grad,
                     release_grads)
                 params[0].comm_buffer_ref = weakref.ref(self)  # how v2 finds the pipeline's
-        self._grads_to_addr = {} if release_grads else {  # Paddle's _record_addr
-            p: _addr(_grad_of(p, self.use_main_grad)) for p in params}
+        # Seed hunk (reconstructed, point 1): with release there are no grads, so no addresses
+        if not release_grads:
+            self._record_addr()
         self._agree_on_layout()  # beyond Paddle: every rank holds this bucket (and, dp: params)
+
+    def _record_addr(self):  # Paddle's: each grad's address, its slot's
+        self._grads_to_addr = {p: _grad_of(p, self.use_main_grad).data_ptr() for p in self._params}
 
     @torch.no_grad()
     def _agree_on_layout(self):
@@ -431,13 +460,31 @@ class FusedCommBuffer:
               "this bucket: pass the group that holds the same params (the dp group of this "
               "pipeline stage, e.g. hcg.get_data_parallel_group())")
         if self._act == HOOK_ACTION.ALL_REDUCE:
-            for work in [dist.broadcast(p.detach(), global_rank(self._comm_group, 0), async_op=True,
-                                        group=self._comm_group) for p in self._params]:
-                work.wait()
+            broadcast_each(self._params, self._comm_group)
+
+    # ---- what the buffer's users read: its state, in one place ----
 
     params = property(lambda self: self._params)  # in buffer order
+    id = property(lambda self: self._id)
+    acc_steps = property(lambda self: self._acc_steps)  # check-ins per param and step
+    release_grads = property(lambda self: self._release_grads)
+    allocated = property(lambda self: self.grad_storage is not None)  # the buffer holds memory
+    in_flight = property(lambda self: self._task is not None)  # issued, not yet waited for
+    complete = property(lambda self: self._all_params_checked_in)  # all in acc_steps times
+    fresh = property(lambda self: self._params_checked_in == 0  # no check-in since the reset
+                     and not any(self._params_step_dict.values()))
+    grad_views = property(lambda self: self._sharding_param_grad_view)  # REDUCE_SCATTER's
 
-    def _name(self, param):
+    def check_ins(self) -> dict:
+        """The params not yet in `acc_steps` times, and how often each checked in."""
+        return dict(self._params_step_dict)
+
+    def accepts(self, param) -> bool:
+        """True if `param` may check in now (not yet complete, its bucket not in flight)."""
+        return self._task is None and param in self._params_step_dict
+
+    def name(self, param) -> str:
+        """How messages name `param`: its index and shape in this bucket."""
         return (f"param #{self._index[param]} of bucket {self._id} "
                 f"(shape {tuple(param.shape)}, {param.dtype})")
 
@@ -461,12 +508,12 @@ class FusedCommBuffer:
         """Check `param` in for this micro-batch; issue the collective once all are in."""
         self._check_check_in(param)  # beyond Paddle (skippable): raises on a misuse
         if not self._release_grads and self._params_step_dict[param] == 0:
-            self._relink_grad(param)  # beyond Paddle (skippable): a new grad, as DDP takes it
+            self.relink_grad(param)  # beyond Paddle (skippable): a new grad, as DDP takes it
         # Seed hunk (reconstructed, point 2): release moves the grad in; else the address check
         if self._release_grads:
             self._copy_grad_to_buffer(param)
-        elif _addr(_grad_of(param, self.use_main_grad)) != self._grads_to_addr[param]:
-            raise ValueError(_ADDRESS_MSG.format(name=self._name(param)))
+        elif _grad_of(param, self.use_main_grad).data_ptr() != self._grads_to_addr[param]:
+            raise ValueError(_ADDRESS_MSG.format(name=self.name(param)))
         self._params_step_dict[param] += 1
         if self._params_step_dict[param] == self._acc_steps:
             self._params_checked_in += 1
@@ -477,27 +524,26 @@ class FusedCommBuffer:
     def _check_check_in(self, param):
         """Beyond Paddle: a misplaced check-in, hooks out of order, unreleased buffer, address."""
         if param not in self._params_step_dict:
-            what = self._name(param) if param in self._index else (
+            what = self.name(param) if param in self._index else (
                 f"a param of shape {tuple(param.shape)}")
             raise ValueError(f"add_grad: {what} is not in bucket {self._id}, or checked in "
                              f"more than acc_steps={self._acc_steps} times this step: acc_steps "
                              "is the number of micro-batches (backward passes) per step; end "
                              "each step with scale_grads()")
         if self.use_main_grad and param.grad is not None:
-            raise ValueError(f"add_grad: {self._name(param)} still has its low-precision grad: "
+            raise ValueError(f"add_grad: {self.name(param)} still has its low-precision grad: "
                              "register_main_grad_hooks before the buffer's hooks")
-        count, storage = self._params_step_dict[param], self.grad_storage
-        fresh = self._params_checked_in == 0 and not any(self._params_step_dict.values())
-        if self._release_grads and fresh and storage is not None:
+        if self._release_grads and self.fresh and self.grad_storage is not None:
             raise ValueError(f"bucket {self._id}: a backward reached its params while last "
                              "step's buffer is allocated: release() it after the step (a GAN: "
                              "freeze these params for the other model's backward)")
-        if self._release_grads and count > 0 and _addr(_grad_of(param, self.use_main_grad)) != (
-                self._slot(param).data_ptr()):
-            raise ValueError(_ADDRESS_MSG.format(name=self._name(param)))
+        if self._release_grads and self._params_step_dict[param] > 0:
+            grad = _grad_of(param, self.use_main_grad)
+            if grad is None or grad.data_ptr() != self._slot(param).data_ptr():
+                raise ValueError(_ADDRESS_MSG.format(name=self.name(param)))
 
     @torch.no_grad()
-    def _relink_grad(self, param):
+    def relink_grad(self, param) -> None:
         """Release off: a grad that is not its slot's view (`zero_grad()` set it to None, then
         backward made a new one) is added into its zeroed slot, as DDP copies it in."""
         slot, grad = self._slot(param), _grad_of(param, self.use_main_grad)
@@ -555,20 +601,24 @@ class FusedCommBuffer:
                                f"{self._check_in_status()}")
         self._comm_grads()
 
+    def issue(self) -> None:
+        """Issue the collective with what the bucket holds: a param that never checked in is
+        copied in first (release; its zero slot), so every rank issues the same collective."""
+        for param, count in self.check_ins().items():
+            if self._release_grads and count == 0:
+                self._copy_grad_to_buffer(param)
+        self._comm_grads()
+
     def _check_in_status(self):
         missing = [f"#{self._index[p]} ({n} of {self._acc_steps})"
                    for p, n in self._params_step_dict.items()]
         return (f"{self._params_checked_in} of {len(self._params)} params checked in "
                 f"acc_steps={self._acc_steps} times; missing: {', '.join(missing) or 'none'}")
 
-    @property
-    def _scales_after_comm(self):
-        return self._scale_after_comm and not sums_in_16_bits(self._dtype)
-
     @torch.no_grad()
     def _comm_grads(self):
         """Issue one async SUM collective over the whole `grad_storage` on `comm_group`."""
-        if not self._scales_after_comm:
+        if sums_in_16_bits(self._dtype):
             self.grad_storage.mul_(1.0 / self._nranks)
         group, storage = self._comm_group, self.grad_storage
         if self._act == HOOK_ACTION.ALL_REDUCE or (
@@ -580,7 +630,7 @@ class FusedCommBuffer:
             self._task = _reduce_scatter(self._local_shard(storage), storage, group)
         self._issued_version = storage._version  # collectives do not bump it; in-place ops do
 
-    def _changed_in_flight(self):
+    def changed_in_flight(self) -> bool:
         """Beyond Paddle: the buffer was changed in place after its collective was issued."""
         return (self._task is not None and self.grad_storage is not None
                 and self.grad_storage._version != self._issued_version)
@@ -601,24 +651,30 @@ class FusedCommBuffer:
         try:
             if agree_in_flight:
                 agree([self._comm_group], [(IN_FLIGHT_RULE, "changed in flight" if
-                                            self._changed_in_flight() else None)],
+                                            self.changed_in_flight() else None)],
                       device=self._params[0].device)
         except ValueError:
-            self._task.wait()
-            self._reset_params_checked_in()
+            self.settle()
             raise
         self._complete_comm()
         self._reset_params_checked_in()
 
+    def settle(self) -> None:
+        """Beyond Paddle: wait for the collective without scaling and reset the check-ins (a
+        refused step, whose grads are dropped next)."""
+        if self._task is not None:
+            self._task.wait()
+        self._reset_params_checked_in()
+
     def _complete_comm(self):  # wait for the collective, scale what this rank reads
         self._task.wait()
-        if self._scales_after_comm and self._reads():
+        if not sums_in_16_bits(self._dtype) and self.reads():
             mine = self.grad_storage
             if self._act == HOOK_ACTION.REDUCE_SCATTER:
                 mine = self._local_shard(mine)
             mine.mul_(1.0 / self._nranks)
 
-    def _reads(self):
+    def reads(self) -> bool:  # this rank reads the sums (all but REDUCE's non-owners)
         return self._act != HOOK_ACTION.REDUCE or dist.get_rank() == self._dst
 
     @torch.no_grad()

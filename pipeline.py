@@ -8,7 +8,6 @@ freed after the step). Beyond Paddle: one agreement opens a step; p2p waits time
 Ties, Paddle's clip, interleave: relgrad_extras/. Reference: Narayanan et al. (2021).
 """
 from collections import defaultdict
-from itertools import combinations
 
 import torch
 import torch.distributed as dist
@@ -16,9 +15,10 @@ from torch import nn
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, agree, assign_group_by_size, comm_device,
                          global_rank, is_timeout_error, main_grad_or_grad as _grad)
-from relgrad import check_current_device, clear_grad_func, group_timeout
-from sharding import (BucketScheduler, GradMarks, _check_grad_clip, _comm_buffer_bytes,
-                      agreed_all_reduce_mean, extras, norm_groups, plug_free_in_comm)
+from relgrad import (GradMarks, Phase, check_current_device, clear_grad_func, group_timeout,
+                     norm_groups)
+from sharding import (BucketScheduler, _check_grad_clip, _comm_buffer_bytes,
+                      agreed_all_reduce_mean, extras, plug_free_in_comm)
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
@@ -41,6 +41,11 @@ def _cut_layers(layers, seg_boundaries, parts):  # `parts + 1` rising boundaries
         raise ValueError(f"seg_boundaries must rise from 0 to len(layers)={len(layers)} "
                          f"in {parts + 1} entries; got {bounds}")
     return bounds
+
+
+def _chunk_of(bounds, name):  # the model chunk (stage) that holds layer name's index
+    index = int(name.split(".")[0])
+    return max(c for c in range(len(bounds) - 1) if bounds[c] <= index)
 
 
 def _build_segment(layers):  # a zero-argument callable (Paddle's LayerDesc) is called here
@@ -103,24 +108,23 @@ class PipelineParallel(nn.Module):
         self._p2p_timeout = group_timeout(self._hcg.get_pipe_parallel_group())
         self._shared = self._shared_weights(shared_weights, bounds)
         self._scheduler = BucketScheduler(fire_on_hook=not self._interleaved)
-        self._grad_clip, self._phase = None, "idle"  # "scheduled": grads wait for the step
+        self._grad_clip, self._phase = None, Phase.IDLE
         self._marks = GradMarks(list(self._layers.parameters()))  # for a plain optimizer
 
     _interleaved = False
 
     def _check_config(self, hcg, num_virtual_stages):  # Paddle's overlap rules
-        pp, dp, sharding = (self.num_stages, hcg.get_data_parallel_world_size(),
-                            hcg.get_sharding_parallel_world_size())
-        problem = next((text for bad, text in [
-            (self._dp_comm_overlap and self._sharding_comm_overlap, "pp_configs.dp_comm_overlap "
-             "and sharding_comm_overlap cannot both be on; turn one off"),
-            (self._dp_comm_overlap and not (dp > 1 and pp > 1), "pp_configs.dp_comm_overlap "
-             f"needs dp_degree > 1 and pp_degree > 1; got dp_degree={dp}, pp_degree={pp}"),
-            (self._sharding_comm_overlap and not (sharding > 1 and pp > 1), "pp_configs."
-             "sharding_comm_overlap needs sharding_degree > 1 and pp_degree > 1; got "
-             f"sharding_degree={sharding}, pp_degree={pp}")] if bad), None)
-        if problem:
-            raise ValueError(problem)
+        pp, dp = self.num_stages, hcg.get_data_parallel_world_size()
+        sharding = hcg.get_sharding_parallel_world_size()
+        if self._dp_comm_overlap and self._sharding_comm_overlap:
+            raise ValueError("pp_configs.dp_comm_overlap and sharding_comm_overlap cannot both be "
+                             "on; turn one off")
+        if self._dp_comm_overlap and not (dp > 1 and pp > 1):
+            raise ValueError("pp_configs.dp_comm_overlap needs dp_degree > 1 and pp_degree > 1; "
+                             f"got dp_degree={dp}, pp_degree={pp}")
+        if self._sharding_comm_overlap and not (sharding > 1 and pp > 1):
+            raise ValueError("pp_configs.sharding_comm_overlap needs sharding_degree > 1 and "
+                             f"pp_degree > 1; got sharding_degree={sharding}, pp_degree={pp}")
         self._check_virtual_stages(num_virtual_stages)
 
     def _check_virtual_stages(self, num_virtual_stages):
@@ -130,9 +134,8 @@ class PipelineParallel(nn.Module):
                              " (relgrad_extras.interleave)")
 
     def _check_untied_shares(self, layers, bounds, shared_weights):
-        """Beyond Paddle: one Parameter in the layers of two stages must be tied; in two model
-        chunks of one stage (interleave) it cannot be under comm overlap (it would take a slot
-        in each chunk's buckets). Every rank sees every layer, so every rank raises alike."""
+        """Beyond Paddle: one Parameter in the layers of two stages must be tied. Every rank
+        sees every layer, so every rank raises alike."""
         ties = [set(tie) for tie in shared_weights or ()]
         first = {}
         for i, layer in enumerate(layers):
@@ -140,25 +143,14 @@ class PipelineParallel(nn.Module):
                 first.setdefault(id(p), f"{i}.{name}")
                 tied = any({first[id(p)], f"{i}.{name}"} <= tie for tie in ties)
                 self._check_share(first[id(p)], f"{i}.{name}", bounds, tied)
-        for tie in ties:
-            for a, b in combinations(sorted(n for n in tie if n.split(".")[0].isdigit()), 2):
-                self._check_share(a, b, bounds, tied=True)
 
     def _check_share(self, a, b, bounds, tied):
-        """Raise if names `a` and `b` (one param, or tied) cannot share it (see above)."""
-        chunks = [max(c for c in range(len(bounds) - 1) if bounds[c] <= int(n.split(".")[0]))
-                  for n in (a, b)]
-        stages = [c % self.num_stages for c in chunks]
+        """Raise unless names `a` and `b` (one Parameter) may share it: tied across stages."""
+        stages = [_chunk_of(bounds, n) % self.num_stages for n in (a, b)]
         if stages[0] != stages[1] and not tied:
             raise ValueError(f"one Parameter object is '{a}' on stage {stages[0]} and '{b}' on "
                              f"stage {stages[1]}: tie them with shared_weights=[({a!r}, {b!r})]"
                              ", or untie them")
-        if stages[0] == stages[1] and chunks[0] != chunks[1] and self._comm_overlap:
-            raise ValueError(f"'{a}' (model chunk {chunks[0]}) and '{b}' (model chunk "
-                             f"{chunks[1]}) are one param on stage {stages[0]}: under comm "
-                             "overlap each chunk's buckets would hold it; shared_weights ties "
-                             "copies on different stages only: give each chunk its own param, "
-                             "or turn the overlap off")
 
     def _shared_weights(self, shared_weights, bounds):
         if shared_weights is None:
@@ -296,28 +288,28 @@ class PipelineParallel(nn.Module):
         startup_steps = min(self.num_stages - self.stage_id - 1, acc)
         steady_steps, fwd, bwd = acc - startup_steps, 0, 0
         for _ in range(startup_steps):  # warm-up: forwards only
-            x = self._recv_forward(inputs[fwd])
+            x = self.recv_forward(inputs[fwd])
             out = self._forward_step(x, labels[fwd], fwd)
-            self._send_forward(out)
+            self.send_forward(out)
             queue.append((x, out))
             fwd += 1
         if steady_steps > 0:
-            x = self._recv_forward(inputs[fwd])
+            x = self.recv_forward(inputs[fwd])
         for i in range(steady_steps):  # steady 1F1B: a forward, then the oldest backward
             out = self._forward_step(x, labels[fwd], fwd)
-            out_grad = self._p2p(send_next=self._if_not_last(out), recv_next=out)
+            out_grad = self.send_forward_recv_backward(out)
             queue.append((x, out))
             fwd += 1
             in_grad = self._backward_step(*queue.pop(0), out_grad, bwd)
             bwd += 1
             if i == steady_steps - 1:
-                self._p2p(send_prev=in_grad)
+                self.send_backward(in_grad)
             else:
-                x = self._p2p(send_prev=in_grad, recv_prev=True, fallback=inputs[fwd])
+                x = self.send_backward_recv_forward(in_grad, inputs[fwd])
         for _ in range(startup_steps):  # cool-down: the remaining backwards
             x_done, out_done = queue.pop(0)
-            out_grad = self._p2p(recv_next=out_done)
-            self._p2p(send_prev=self._backward_step(x_done, out_done, out_grad, bwd))
+            out_grad = self.recv_backward(out_done)
+            self.send_backward(self._backward_step(x_done, out_done, out_grad, bwd))
             bwd += 1
         self._finish_schedule()
         return self._broadcast_final_loss()
@@ -325,7 +317,7 @@ class PipelineParallel(nn.Module):
     def _finish_schedule(self):
         """Tied copies summed over their stages; with comm overlap every bucket issued in order,
         agreed on over the job and waited and scaled (else: the step dropped, raised everywhere)."""
-        self._phase = "scheduled"
+        self._phase = Phase.SCHEDULED
         if self._shared:
             self._shared.allreduce_shared_weight_gradients()
         if not self._comm_overlap:
@@ -346,13 +338,13 @@ class PipelineParallel(nn.Module):
         outputs, last = [], self.stage_id == self.num_stages - 1
         with torch.no_grad():
             for k in range(self.accumulate_steps):
-                out = self._layers(self._recv_forward(inputs[k]))
+                out = self._layers(self.recv_forward(inputs[k]))
                 if last and compute_loss:
                     self._total_loss += self._loss_fn(out, labels[k]).float()
                 elif last:
                     outputs.append(out)
                 else:
-                    self._send_forward(out)
+                    self.send_forward(out)
         if not compute_loss:
             return torch.cat(outputs) if outputs else None
         self._total_loss /= self.accumulate_steps
@@ -434,7 +426,7 @@ class PipelineParallel(nn.Module):
         except ValueError:
             self._discard_grads()
             raise
-        self._phase = "idle"
+        self._phase = Phase.IDLE
         if self._grad_clip is not None:  # on reduced grads, before the step and the release
             self._grad_clip([(p, _grad(p)) for p in params], norm_groups(self._hcg),
                             self._device())
@@ -461,7 +453,7 @@ class PipelineParallel(nn.Module):
     @torch.no_grad()
     def _discard_grads(self):
         """Drop (release) or zero this step's grads and buffers, not stepped (after an error)."""
-        self._phase = "idle"
+        self._phase = Phase.IDLE
         if self.optimizer is not None:
             _clear_grad(self.optimizer, set_to_zero=not self._release_gradients)
             self._marks.clear()
@@ -472,7 +464,7 @@ class PipelineParallel(nn.Module):
     def _check_accumulation(self):
         """A second schedule before the step, with overlap or ties: raised on every rank."""
         ties = self._shared is not None and self._shared.across_stages
-        if self._phase == "scheduled" and (self._comm_overlap or ties):
+        if self._phase == Phase.SCHEDULED and (self._comm_overlap or ties):
             what = "comm overlap" if self._comm_overlap else "shared_weights"
             raise ValueError(f"forward_backward_pipeline ran again before the optimizer step: "
                              f"with {what} each call reduces the grads; accumulate in one call "
@@ -483,11 +475,35 @@ class PipelineParallel(nn.Module):
     def _device(self):
         return comm_device(self._layers.parameters(), self._hcg.get_pipe_parallel_group())
 
-    def _if_not_last(self, out): return None if self.stage_id == self.num_stages - 1 else out
-    def _send_forward(self, out): self._p2p(send_next=self._if_not_last(out))
+    # Named operations (Megatron's), each one batched exchange with the neighbours:
+    # activations go to the next stage, their grads come back from it.
 
-    def _recv_forward(self, first_stage_input):
+    def send_forward(self, out: torch.Tensor) -> None:
+        """`out` to the next stage (nothing on the last)."""
+        self._p2p(send_next=self._unless_last(out))
+
+    def recv_forward(self, first_stage_input: torch.Tensor) -> torch.Tensor:
+        """The previous stage's activation (the data on the first stage)."""
         return self._p2p(recv_prev=True, fallback=first_stage_input)
+
+    def send_forward_recv_backward(self, out: torch.Tensor):
+        """`out` to the next stage, and its grad back from there (None on the last)."""
+        return self._p2p(send_next=self._unless_last(out), recv_next=out)
+
+    def send_backward_recv_forward(self, in_grad, first_stage_input: torch.Tensor):
+        """`in_grad` to the previous stage, and its next activation from there."""
+        return self._p2p(send_prev=in_grad, recv_prev=True, fallback=first_stage_input)
+
+    def send_backward(self, in_grad) -> None:
+        """`in_grad`, the grad of this stage's input, to the previous stage."""
+        self._p2p(send_prev=in_grad)
+
+    def recv_backward(self, out: torch.Tensor):
+        """The grad of `out` from the next stage (None on the last)."""
+        return self._p2p(recv_next=out)
+
+    def _unless_last(self, out):
+        return None if self.stage_id == self.num_stages - 1 else out
 
     def _p2p(self, send_next=None, send_prev=None, recv_next=None, recv_prev=False, fallback=None):
         """Batched isend / irecv with the neighbours; the next activation or `recv_next`'s grad."""

@@ -5,8 +5,10 @@ Mirrors, at commit 9b40c67f672f, `PpConfig` / `DygraphShardingConfig` (distribut
 (fleet/utils/mix_precision_utils.py), plus process-group helpers (timeouts, the current device).
 `python relgrad.py` runs the main job (relgrad_demo/cli.py). Leaves out: mp / sep axes.
 """
+import enum
 import inspect
 import sys
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -161,6 +163,16 @@ class HybridCommunicateGroup:
     def get_sharding_parallel_group(self): return self._groups[2][0]
 
 
+def norm_groups(hcg) -> list:
+    """The groups that sum a rank's squares into the model's norm: sharding, then pipe."""
+    groups = []
+    if hcg.get_sharding_parallel_world_size() > 1:
+        groups.append(hcg.get_sharding_parallel_group())
+    if hcg.get_pipe_parallel_world_size() > 1:
+        groups.append(hcg.get_pipe_parallel_group())
+    return groups
+
+
 # ---- process groups on any backend: timeouts, the current device ----
 
 def group_timeout(group):
@@ -199,6 +211,75 @@ def check_current_device(params, groups, what):
         current = torch.cuda.current_device() if torch.cuda.is_available() else None
         problem = device_problem("nccl", [p.device for p in params], current)
         agree(groups, [(f"{what}: {SET_DEVICE_FIX}", problem)], via_store=True)
+
+
+# ---- a step's state: one phase, and the grads written since the last clear ----
+
+class Phase(enum.Enum):
+    """Where an optimizer (or the pipeline) is between two clears of the grads."""
+
+    IDLE = "idle"  # cleared: backward may run
+    DROPPED = "dropped"  # zero_grad() ran between backward and step()
+    SCHEDULED = "scheduled"  # the pipeline: a schedule ran, its grads wait for the step
+    FAILED = "failed"  # the step was refused: its grads stay for a retry or the clear
+    REDUCED = "reduced"  # step()'s first half ran (clip_grad_norm_, finish_grad_sync)
+    STEPPED = "stepped"  # stepped: the grads stay readable until the clear
+
+
+class GradMarks:
+    """Beyond Paddle: which params got a grad since `clear()` (by backward, through a hook, or
+    assigned by hand), and whether a grad changed in place after the backward that wrote it."""
+
+    def __init__(self, params):
+        self.params, self._written, self._hooks, self._events = params, {}, {}, [0]
+        self.clear()
+        weakref.finalize(self, _remove_hooks, self._hooks)
+
+    def clear(self):
+        """Forget what was written; hook every trainable param (one unfrozen since, too)."""
+        self._written.clear()
+        self._events[0] = 0
+        self._cleared = {}
+        for p in self.params:
+            if _grad(p) is not None:
+                self._cleared[id(p)] = id(_grad(p))
+            if p.requires_grad and id(p) not in self._hooks:
+                mark = _marker(self._written, self._events)
+                self._hooks[id(p)] = p.register_post_accumulate_grad_hook(mark)
+
+    def written(self):
+        """Per param: a grad written since the last clear (by backward, or assigned by hand)."""
+        flags = []
+        for p in self.params:
+            by_hand = _grad(p) is not None and self._cleared.get(id(p)) != id(_grad(p))
+            flags.append(id(p) in self._written or by_hand)
+        return flags
+
+    def changed_in_place(self):
+        """The params whose grad's version moved more since their last backward than the
+        later backwards' in-place adds could move it (grads that view one buffer share one
+        version counter): a clip or an unscale of every grad moves the last one written."""
+        changed = []
+        for p in self.params:
+            grad, seen = _grad(p), self._written.get(id(p))
+            if grad is not None and seen is not None and seen[2] == id(grad):
+                if grad._version - seen[0] > self._events[0] - 1 - seen[1]:
+                    changed.append(p)
+        return changed
+
+
+def _marker(written, events):
+    """A grad hook noting its param's grad (version, hook number, id); it holds no param and
+    no grad (a cycle through a tensor's hooks is never freed; a grad would stay alive)."""
+    def mark(param):
+        written[id(param)] = (_grad(param)._version, events[0], id(_grad(param)))
+        events[0] += 1
+    return mark
+
+
+def _remove_hooks(hooks):
+    for handle in hooks.values():
+        handle.remove()
 
 
 # ---- the torch optimizer surface and fp32 masters (Paddle's mix_precision_utils.py) ----

@@ -1201,7 +1201,7 @@ def test_recipe_zero(tmp_path, split):
     """Check that docs recipe (b), ZeRO-1 v2 / v1 with release, overlap, 4 micro-batches,
     clip_grad_norm_, an LR scheduler and a per-rank resume, equals one process."""
     files, source = _recipe("b")
-    assert sorted(files) == ["comm_buffer.py", "relgrad.py", "sharding.py"]
+    assert sorted(files) == ["comm_buffer.py", "relgrad.py", "relgrad_extras", "sharding.py"]
     assert "ACC, SPLIT = dist.get_rank(), dist.get_world_size(), 4, True" in source
     source = source.replace("ACC, SPLIT = dist.get_rank(), dist.get_world_size(), 4, True",
                             f"ACC, SPLIT = dist.get_rank(), dist.get_world_size(), 4, {split}")
@@ -1497,7 +1497,7 @@ def test_setup_mismatch_raises_on_every_rank(ranks):
     for name, text in msgs0:
         assert "global rank(s) [0]" in text and "global rank(s) [1]" in text, (name, text)
     assert "hyper-parameters" in msgs0[0][1] and "torch optimizer" in msgs0[1][1]
-    assert "group 0 'lr' differs across ranks: '0.01' on global rank(s) [0], '0.02' on global " \
+    assert "param_groups[0]['lr'] differs across ranks: '0.01' on global rank(s) [0], '0.02' on global " \
         "rank(s) [1]" in msgs0[0][1]  # what differs
     assert "selects DygraphShardingOptimizer" in msgs0[2][1]
     assert "params (shape" in msgs0[4][1]
@@ -2355,7 +2355,7 @@ def test_recipe_agreed_skip(tmp_path):
     """Check that docs/contract.md's agreed skip (a bad batch on one rank, sharding's own
     overlap, release) runs on 2 ranks and equals one process that skips the same step."""
     files, source = _recipe("skip")
-    assert sorted(files) == ["comm_buffer.py", "relgrad.py", "sharding.py"]
+    assert sorted(files) == ["comm_buffer.py", "relgrad.py", "relgrad_extras", "sharding.py"]
     codes, outputs, params = recipes.run_recipe(tmp_path, files, source, world=2)
     assert codes == [0, 0], outputs
     want = recipes.reference(recipes._mlp(), [0, 1, 3, 4, 5], rows=16)

@@ -24,7 +24,7 @@ def _train(model, opt, rank, world, steps):
         for x, y in _micro_batches(rank, world, step, 1):
             F.mse_loss(model(x), y).backward()
         opt.step()
-        opt.zero_grad(set_to_none=opt.pp_release_grads)
+        opt.zero_grad(set_to_none=opt.sd_release_grads)
 
 
 def _oracle_from(first, steps):
@@ -99,11 +99,11 @@ def _gan_steps(gen, disc, opt_g, opt_d, rows, freeze, steps=2):
         g = torch.Generator().manual_seed(step)
         real, noise = torch.randn(8, 6, generator=g)[rows], torch.randn(8, 4, generator=g)[rows]
         fake = gen(noise)
-        opt_d.zero_grad(set_to_none=getattr(opt_d, "pp_release_grads", True))
+        opt_d.zero_grad(set_to_none=getattr(opt_d, "sd_release_grads", True))
         (bce(disc(real), torch.ones(len(real), 1))
          + bce(disc(fake.detach()), torch.zeros(len(real), 1))).backward()
         opt_d.step()
-        opt_g.zero_grad(set_to_none=getattr(opt_g, "pp_release_grads", True))
+        opt_g.zero_grad(set_to_none=getattr(opt_g, "sd_release_grads", True))
         disc.requires_grad_(not freeze)
         bce(disc(fake), torch.ones(len(real), 1)).backward()  # reaches D unless frozen
         disc.requires_grad_(True)

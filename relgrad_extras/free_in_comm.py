@@ -16,7 +16,7 @@ Phases of a step: check in -> communicate -> complete (scale, free) -> step -> r
 import torch
 import torch.distributed as dist
 
-from comm_buffer import HOOK_ACTION, FusedCommBuffer, _drop_aliasing_grads
+from comm_buffer import HOOK_ACTION, FusedCommBuffer, _drop_aliasing_grads, sums_in_16_bits
 
 
 class _Done:
@@ -84,8 +84,7 @@ class FreeInCommBuffer(FusedCommBuffer):
     def add_grad(self, param, use_comm=True):
         if self._comm_queue is not None:  # complete the earlier buckets that are done
             self._comm_queue.poll()
-        fresh = self._params_checked_in == 0 and not any(self._params_step_dict.values())
-        if self._freed_in_comm and fresh:
+        if self._freed_in_comm and self.fresh:
             raise ValueError(f"bucket {self._id}: a new step started while last step's grad "
                              "buffer (what free_grads_in_comm kept) is still allocated; after "
                              "the optimizer step drop the grads and call release()")
@@ -97,15 +96,15 @@ class FreeInCommBuffer(FusedCommBuffer):
         else:
             super().scale_grads(agree_in_flight)
 
-    def _changed_in_flight(self):
-        return self._task is not _DONE and super()._changed_in_flight()
+    def changed_in_flight(self):
+        return self._task is not _DONE and super().changed_in_flight()
 
     @torch.no_grad()
     def _complete_comm(self):
         """Wait, scale what this rank reads, free the rest."""
         self._task.wait()
         self._task = _DONE  # let go of the work: it holds the buffer
-        scale = self._scales_after_comm and self._reads()
+        scale = not sums_in_16_bits(self._dtype) and self.reads()
         if self._act == HOOK_ACTION.REDUCE_SCATTER:
             local = self._local_shard(self.grad_storage)
             shard = local * (1.0 / self._nranks) if scale else local.clone()
@@ -113,7 +112,7 @@ class FreeInCommBuffer(FusedCommBuffer):
             _drop_aliasing_grads(self._params, self.use_main_grad, self._drop_grad_storage())
             self._point_slices_at(shard)
             self.grad_storage = shard
-        elif not self._reads():  # REDUCE, not the owner: nothing to keep
+        elif not self.reads():  # REDUCE, not the owner: nothing to keep
             _drop_aliasing_grads(self._params, self.use_main_grad, self._drop_grad_storage())
         elif scale:
             self.grad_storage.mul_(1.0 / self._nranks)

@@ -8,7 +8,7 @@ optimizer), and it runs once per step on the *reduced* grads, after every collec
 the inner optimizer step (and so before a released buffer is freed).
 
 The sum itself (fp32 squares of what each rank steps, all-reduced over sharding then pipe) is
-the core's `sharding.clip_grads_by_global_norm`, which the wrappers' torch-shaped
+`clip_grads_by_global_norm` below, which the wrappers' torch-shaped
 `opt.clip_grad_norm_(max_norm)` also calls; this class only keeps Paddle's object and
 coefficient. Copy this folder beside the card's modules to use it.
 
@@ -20,9 +20,13 @@ recurrent neural networks" (2013); torch's `torch.nn.utils.clip_grad_norm_`.
 """
 import math
 
-from sharding import clip_grads_by_global_norm, norm_groups  # noqa: F401 (norm_groups: re-export)
+import torch
+import torch.distributed as dist
 
-EPS = 1e-6  # Paddle's (and torch's) epsilon in the coefficient's denominator
+from relgrad import norm_groups
+
+CLIP_EPS = 1e-6  # Paddle's (and torch's) epsilon in the coefficient's denominator
+EPS = CLIP_EPS
 
 
 class ClipGradByGlobalNorm:
@@ -60,7 +64,55 @@ class ClipGradByGlobalNorm:
     def __call__(self, params_grads, groups=(), device=None):
         """Clip `params_grads` (list of `(param, grad)`) by the norm summed over `groups`
         (e.g. `norm_groups(hcg)`); returns `params_grads`. See
-        `sharding.clip_grads_by_global_norm` for the flags and the collectives."""
+        `clip_grads_by_global_norm` for the flags and the collectives."""
         self.global_norm = clip_grads_by_global_norm(params_grads, self.clip_norm, groups,
                                                      device, coefficient="paddle")
         return params_grads
+
+
+@torch.no_grad()
+def clip_grads_by_global_norm(params_grads, max_norm, groups=(), device=None, coefficient="paddle"):
+    """Scale `params_grads` (what this rank steps) in place by the L2 norm over `groups` (fp32;
+    `need_clip=False`: out, `is_firstly_shared=False`: uncounted) by "paddle": `max_norm /
+    (max(norm, max_norm) + 1e-6)` or "torch": `min(max_norm / (norm + 1e-6), 1)`. Returns it."""
+    pairs = [(p, g) for p, g in params_grads if g is not None and getattr(p, "need_clip", True)]
+    squares = [g.float().square().sum() for p, g in pairs if getattr(p, "is_firstly_shared", True)]
+    device = device or (pairs[0][1].device if pairs else torch.device("cpu"))
+    total = (torch.stack(squares).sum() if squares
+             else torch.zeros((), dtype=torch.float32, device=device))
+    for group in groups:
+        dist.all_reduce(total, group=group)
+    norm = total.sqrt()
+    clip = torch.tensor(float(max_norm), dtype=torch.float32, device=norm.device)
+    coef = (clip / (torch.maximum(norm, clip) + CLIP_EPS) if coefficient == "paddle"
+            else torch.clamp(clip / (norm + CLIP_EPS), max=1.0))
+    for _, g in pairs:
+        g.mul_(coef.to(g.dtype))
+    return norm
+
+
+def clip_rules(args=None, grad_clip=None):
+    """clip_grad_norm_'s argument checks as `(rule, detail)` for `agree` (None: unseen)."""
+    max_norm, norm_type = args or (1.0, 2.0)
+    number = isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
+    good = number and math.isfinite(max_norm) and max_norm > 0
+    return [("clip_grad_norm_: max_norm must be a finite number > 0; pass e.g. 1.0",
+             None if good else f"max_norm={max_norm!r}"),
+            ("clip_grad_norm_: only norm_type=2 (the L2 norm) is supported over sharded grads",
+             None if str(norm_type) in ("2", "2.0") else f"norm_type={norm_type!r}"),
+            ("clip_grad_norm_ on an optimizer built with grad_clip= would clip twice; use one",
+             f"grad_clip={grad_clip!r}" if args and grad_clip is not None else None)]
+
+
+@torch.no_grad()
+def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False):
+    """The sharding optimizers' `clip_grad_norm_` (torch's, as FSDP's): step()'s first half on
+    every rank, then this rank's reduced grads clipped by the global L2 norm; returns it."""
+    opt._first_half(("clip_grad_norm_", max_norm, norm_type, error_if_nonfinite),
+                    clip_rules((max_norm, norm_type), opt._grad_clip))
+    norm = clip_grads_by_global_norm(opt._clip_pairs(), max_norm, norm_groups(opt._hcg),
+                                     opt._flags_device(), coefficient="torch")
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(f"clip_grad_norm_: the total norm of the grads is {norm.item()}, "
+                           "non-finite; pass error_if_nonfinite=False to clip anyway")
+    return norm

@@ -33,12 +33,13 @@ References: Paddle PR #59739; Narayanan et al., "Efficient Large-Scale Language 
 on GPU Clusters Using Megatron-LM" (2021), section 2.2.
 """
 import sys
+from itertools import combinations
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline import _DTYPES, _META_LEN, PipelineParallel, _build_segment, _cut_layers
+from pipeline import _DTYPES, _META_LEN, PipelineParallel, _build_segment, _chunk_of, _cut_layers
 from relgrad_extras.shared_weights import SharedWeights
 
 
@@ -78,6 +79,27 @@ class PipelineParallelWithInterleave(PipelineParallel):
                 f"accumulate_steps={acc}, pp_degree={stages}; use accumulate_steps="
                 + " or ".join(map(str, near)))
         self.num_model_chunks = v
+
+    def _check_untied_shares(self, layers, bounds, shared_weights):
+        """As PipelineParallel's, and a tie between model chunks of one stage is checked too."""
+        super()._check_untied_shares(layers, bounds, shared_weights)
+        for tie in shared_weights or ():
+            names = sorted(n for n in tie if n.split(".")[0].isdigit())
+            for a, b in combinations(names, 2):
+                self._check_share(a, b, bounds, tied=True)
+
+    def _check_share(self, a, b, bounds, tied):
+        """As PipelineParallel's; and one param in two chunks of one stage under comm overlap
+        is refused: each chunk's buckets would take a slot for it."""
+        super()._check_share(a, b, bounds, tied)
+        chunks = [_chunk_of(bounds, n) for n in (a, b)]
+        same_stage = chunks[0] % self.num_stages == chunks[1] % self.num_stages
+        if same_stage and chunks[0] != chunks[1] and self._comm_overlap:
+            raise ValueError(f"'{a}' (model chunk {chunks[0]}) and '{b}' (model chunk "
+                             f"{chunks[1]}) are one param on stage {chunks[0] % self.num_stages}:"
+                             " under comm overlap each chunk's buckets would hold it; "
+                             "shared_weights ties copies on different stages only: give each "
+                             "chunk its own param, or turn the overlap off")
 
     def _build_layers(self, layers, seg_boundaries):
         parts = self.num_stages * self.num_model_chunks

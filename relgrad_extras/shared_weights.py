@@ -140,12 +140,10 @@ class SharedWeights:
         for t, names in enumerate(ties):
             spelled = [f"{i}.{rest}" for i, rest, _ in names]
             p = local.get(t)
-            problems.append((f"shared_weights {spelled}: a name is not a trainable param (at "
-                             "most 8 dims) of its layer; spell it as nn.Sequential(*layers)"
-                             ".named_parameters() does", "not found" if t in local and (
-                                 p is None or p.dim() > 8) else None))
-            meta = (None,) * 10 if p is None or p.dim() > 8 else (
-                p.dtype.itemsize, p.dtype.is_floating_point, *p.shape, *[-1] * (8 - p.dim()))
+            problems.append((f"shared_weights {spelled}: a name is not a trainable param of "
+                             "its layer; spell it as nn.Sequential(*layers).named_parameters() "
+                             "does", "not found" if t in local and p is None else None))
+            meta = None if p is None else (p.dtype.itemsize, p.dtype.is_floating_point, *p.shape)
             same.append((f"shared_weights {spelled}: the copies' (itemsize, float, shape)", meta))
         agree([hcg.get_pipe_parallel_group()], problems, same, device=device)
 
