@@ -1,11 +1,10 @@
 """Fused gradient buffers with `release_grads`: Paddle's `tensor_fusion_helper.py` in torch.
 
-Mirrors fleet/utils/tensor_fusion_helper.py at commit 9b40c67f672f (PR #59739): one flat grad
-buffer and one collective per bucket (dp all-reduce, v1 reduce, v2 reduce-scatter), issued in
-backward once every param checked in `acc_steps` times. With release a step's first check-in
-allocates the buffer and `release()` frees it after the step. Phases: check in -> communicate
--> wait and scale -> step -> release. Differs from the seed: 16-bit sums divide first. Leaves
-out: `use_reduce_avg`, timers, XPU; [later] free_grads_in_comm is in relgrad_extras/.
+Mirrors fleet/utils/tensor_fusion_helper.py at commit 9b40c67f672f (PR #59739). A bucket has one
+flat grad buffer and one collective (dp all-reduce, v1 reduce, v2 reduce-scatter), issued once
+every param checked in `acc_steps` times. With release a step's first check-in allocates the
+buffer and `release()` frees it. Phases: check in -> communicate -> wait and scale -> release.
+Differs from the seed: 16-bit sums divide first. Leaves out: `use_reduce_avg`, timers, XPU.
 """
 import hashlib
 import pickle
@@ -90,10 +89,9 @@ def build_reduce_scatter_buffer(params, sharding_degree, rank, use_main_grad=Fal
     """Lay out a REDUCE_SCATTER bucket; move `params` into one flat param buffer.
 
     Each param pads to a multiple of `unit = (256 / elem_size) * sharding_degree` elements, so
-    every shard starts on a 256-byte boundary. Worked example, bf16 params of 300, 1000 and 20
-    elements on 4 ranks: unit 512; padded 512, 1024, 512; shard 512; the second straddles ranks
-    1 and 2 (rank 2's piece ends in 24 padding elements). Returns `(views, total elements,
-    param_buffer, grad_buffer)`; the grad buffer (zeros) is None when releasing.
+    every shard starts on a 256-byte boundary. bf16 params of 300, 1000 and 20 elements on 4
+    ranks: unit 512, padded 512, 1024, 512, shard 512; the second straddles ranks 1 and 2.
+    Returns `(views, total, param_buffer, grad_buffer)`; the grad buffer is None with release.
     """
     dtype, device = params[0].dtype, params[0].device
     unit = ALIGNMENT_BYTES // dtype.itemsize * sharding_degree
@@ -258,15 +256,13 @@ _TIMEOUT_WORDS = re.compile(r"time[ds]?[ _-]?out|timing out|deadline exceeded", 
 
 def agree(groups, problems=(), same=(), flags=(), device=None, timeout=None, via_store=False,
           title=None) -> list:
-    """Agree over every rank of `groups` (in turn; None = WORLD). Beyond Paddle.
+    """Agree over every rank of `groups` (in turn; None = WORLD); `flags` returned OR-ed.
 
-    `problems`: `[(rule, detail)]`, detail what this rank saw (str) or None. `same`: `[(name,
-    value)]` equal on every rank that has a value (None: no value here; a dict: each of its
-    items); `title` states their rule. `flags`: bools, returned OR-ed. One MAX all-reduce of a
-    word per problem and flag and, per value, a 64-bit digest of its text with the digest's
-    complement (MAX of both shows any difference); only if something is flagged does every
-    rank gather the details and raise the same ValueError. `timeout`: TimeoutError, `.absent`
-    the ranks that never came. `via_store`: the store instead of a collective.
+    `problems`: `[(rule, detail)]`, detail what this rank saw or None. `same`: `[(name, value)]`
+    equal wherever given (None: no value; a dict: each item). One MAX all-reduce of a word per
+    problem and flag and a digest with its complement per value; only if something is flagged
+    every rank gathers the details and raises the same ValueError. `timeout`: TimeoutError
+    naming `.absent` ranks. `via_store`: the store instead of a collective. Beyond Paddle.
     """
     mine = (dist.get_rank(), [None if d is None else (rule, d) for rule, d in problems], dict(same))
     if via_store:
@@ -390,23 +386,21 @@ def _store():  # the default group's store, a side channel beside the collective
 # ---- The fused buffer: check in -> communicate -> wait and scale -> release ----
 
 IN_FLIGHT_RULE = ("a grad changed in place while its bucket's collective was in flight (a clip "
-                  "or grad.mul_() before the wait): change grads after scale_grads(); sharding "
-                  "optimizers: opt.clip_grad_norm_(max_norm); torch's pipeline schedules: "
-                  "scale_grads=False. This step is lost: clear it")
+                  "or grad.mul_() before the wait): change grads after scale_grads(), or use "
+                  "opt.clip_grad_norm_(max_norm) (torch's schedules: scale_grads=False); clear it")
 _ADDRESS_MSG = ("The address of the grad/main_grad of {name} changed between two micro-batches "
-                "of a step: within a step it must stay its slot's view; change grads in place")
+                "of a step: within a step it must stay its slot's view (change grads in place; "
+                "one param in two model chunks of a stage gets two slots)")
 
 
 class FusedCommBuffer:
     """One bucket's fused grad buffer and its collective (Paddle's `FusedCommBuffer`).
 
-    Args: `id` (for messages); `params` (trainable, one dtype and device); `comm_group` (None
-    = WORLD); `acc_steps` (check-ins per param before the collective); `act` (HOOK_ACTION);
-    `dst` (REDUCE: the owner's *global* rank); `use_main_grad` (None: whether params[0] has
-    one); `fuse_param`; `release_grads`. `grad_storage`: 1-D, `buffer_size`
-    elements, None while released. A step: `acc_steps` backwards through the hooks
-    (`bw_hook_func`), `scale_grads()`, step, then zero the grads (release off) or drop them
-    and `release()`.
+    `params`: trainable, one dtype; `comm_group`: None = WORLD; `acc_steps`: the micro-batches
+    of a step; `act`: HOOK_ACTION; `dst`: REDUCE's owner, a global rank. `grad_storage`: 1-D,
+    `buffer_size` elements, None while released. A step: `acc_steps` backwards through
+    `bw_hook_func` hooks, `scale_grads()`, the optimizer step, then zero the grads (release off)
+    or drop them and `release()`.
     """
 
     def __init__(self, id, params, comm_group, acc_steps=1, act=None, dst=-1,
@@ -450,15 +444,15 @@ class FusedCommBuffer:
 
     @torch.no_grad()
     def _agree_on_layout(self):
-        """Every rank of comm_group built this bucket alike; an ALL_REDUCE bucket's params then
-        start from the group's first rank, as DDP's (module buffers: broadcast them yourself)."""
-        same = [("the number of params", len(self._params))]
+        """Every rank of comm_group built this bucket alike (each param's shape and dtype); an
+        ALL_REDUCE bucket's params then start from the group's first rank, as DDP's."""
+        shapes = {}
         for i, p in enumerate(self._params):
-            same.append((f"param #{i} (shape, dtype)", (tuple(p.shape), str(p.dtype))))
-        agree([self._comm_group], same=same,
-              via_store=True, title=f"bucket {self._id}: every rank of comm_group must build "
-              "this bucket: pass the group that holds the same params (the dp group of this "
-              "pipeline stage, e.g. hcg.get_data_parallel_group())")
+            shapes[f"param #{i} (shape, dtype)"] = (tuple(p.shape), str(p.dtype))
+        same = [("the number of params", len(self._params)), ("the params", shapes)]
+        agree([self._comm_group], same=same, device=self._params[0].device, title=(
+            f"bucket {self._id}: every rank of comm_group must build this bucket: pass the "
+            "group that holds the same params (e.g. hcg.get_data_parallel_group())"))
         if self._act == HOOK_ACTION.ALL_REDUCE:
             broadcast_each(self._params, self._comm_group)
 
@@ -576,11 +570,12 @@ class FusedCommBuffer:
     def _clear_grad_storage(self):
         """Release: drop the grad buffer and, beyond Paddle, the grads aliasing it (torch frees
         a storage with its last reference; Paddle's `_clear_dataptr()` frees it outright)."""
-        if not self._release_grads or self._task is not None:
-            raise RuntimeError(f"bucket {self._id}: " + (
-                "built with release_grads=False: its grad buffer must persist; zero the grads "
-                "in place" if not self._release_grads else "a collective on the buffer is in "
-                "flight: call scale_grads() before releasing it"))
+        if not self._release_grads:
+            raise RuntimeError(f"bucket {self._id}: built with release_grads=False: its grad "
+                               "buffer must persist; zero the grads in place")
+        if self._task is not None:
+            raise RuntimeError(f"bucket {self._id}: its collective is in flight: call "
+                               "scale_grads() before releasing it")
         _drop_aliasing_grads(self._params, self.use_main_grad, self._drop_grad_storage())
         self._reset_params_checked_in()
 
@@ -688,9 +683,11 @@ class FusedCommBuffer:
         if not _stages_full_copies(group, full):
             _all_gather(full, self._local_shard(full), group)
             return
-        shard = full.numel() // self._nranks
-        for work in [dist.broadcast(full[r * shard : (r + 1) * shard], global_rank(group, r),
-                                    group=group, async_op=True) for r in range(self._nranks)]:
+        shard, works = full.numel() // self._nranks, []
+        for r in range(self._nranks):
+            piece = full[r * shard : (r + 1) * shard]
+            works.append(dist.broadcast(piece, global_rank(group, r), group=group, async_op=True))
+        for work in works:
             work.wait()
 
 
@@ -699,8 +696,8 @@ def _fill_grad(param, use_main_grad):
     """Beyond Paddle: a sparse grad made dense; a missing one zeros (as release off's slot)."""
     densify_grads([param])
     if _grad_of(param, use_main_grad) is None:
-        _set_grad(param, use_main_grad, torch.zeros(param.shape, device=param.device, dtype=(
-            torch.float32 if use_main_grad else param.dtype)))
+        dtype = torch.float32 if use_main_grad else param.dtype
+        _set_grad(param, use_main_grad, torch.zeros(param.shape, device=param.device, dtype=dtype))
 
 
 def _drop_aliasing_grads(params, use_main_grad, storage):

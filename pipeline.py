@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, agree, assign_group_by_size, comm_device,
-                         global_rank, is_timeout_error, main_grad_or_grad as _grad)
+                         first_few, global_rank, is_timeout_error, main_grad_or_grad as _grad)
 from relgrad import (GradMarks, Phase, check_current_device, clear_grad_func, group_timeout,
                      norm_groups)
-from sharding import (BucketScheduler, _check_grad_clip, _comm_buffer_bytes,
+from sharding import (UNSLOTTED_RULE, BucketScheduler, _check_grad_clip, _comm_buffer_bytes,
                       agreed_all_reduce_mean, extras, plug_free_in_comm)
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
@@ -52,6 +52,13 @@ def _build_segment(layers):  # a zero-argument callable (Paddle's LayerDesc) is 
     return nn.Sequential(*[l if isinstance(l, nn.Module) else l() for l in layers])
 
 
+def _batch_size(data):  # the samples of `data = (inputs, labels)`, or None
+    try:
+        return int(data[0].shape[0])
+    except (TypeError, ValueError, AttributeError, IndexError, KeyError):
+        return None
+
+
 def _clear_grad(optimizer, set_to_zero=True):  # Paddle's `clear_grad`, or torch's `zero_grad`
     if hasattr(optimizer, "clear_grad"):
         optimizer.clear_grad(set_to_zero=set_to_zero)
@@ -62,12 +69,10 @@ def _clear_grad(optimizer, set_to_zero=True):  # Paddle's `clear_grad`, or torch
 class PipelineParallel(nn.Module):
     """One pipeline stage of `layers`, trained with 1F1B (Paddle's `PipelineParallel`).
 
-    Args: `layers` (nn.Modules or zero-argument callables building one, Paddle's LayerDesc);
-    `hcg` (e.g. `relgrad.HybridCommunicateGroup`); `strategy` (`relgrad.HybridStrategy`);
-    `loss_fn(output, label) -> scalar` (last stage); `seg_boundaries` (stage s holds
-    `layers[b[s]:b[s+1]]`, default an even split); `shared_weights` (ties across stages, e.g.
-    `[("0.tok.weight", "5.proj.weight")]`: `relgrad_extras.shared_weights`). Errors:
-    docs/contract.md.
+    `layers`: nn.Modules or zero-argument callables building one (Paddle's LayerDesc); stage s
+    holds `layers[b[s]:b[s+1]]` (`seg_boundaries` b, default an even split). `loss_fn(output,
+    label)`: a scalar (last stage). `shared_weights`: ties across stages, e.g. `[("0.tok.weight",
+    "5.proj.weight")]` (relgrad_extras.shared_weights). Errors: docs/contract.md.
     """
 
     def __init__(self, layers, hcg, strategy, loss_fn, seg_boundaries=None, shared_weights=None):
@@ -249,18 +254,21 @@ class PipelineParallel(nn.Module):
                  None if data is None else self._batch_problem(data)),
                 ("train_batch refused", refused and f"{type(refused).__name__}: {refused}")],
                 [("accumulate_steps", self.accumulate_steps),
+                 ("the batch's samples", _batch_size(data)),
                  ("train_batch's grad_clip (given, clip_norm)",
                   (clip is not None, getattr(clip, "clip_norm", None)))],
                 device=self._device(), timeout=self._p2p_timeout, title=(
                     "train_batch's entry check: every rank of the job must run the same "
-                    "accumulate_steps (build every HybridStrategy alike) and the same grad_clip"))
+                    "accumulate_steps and batch size (build every HybridStrategy alike) and "
+                    "the same grad_clip"))
         except TimeoutError as error:
-            ranks, absent = [self._hcg.get_rank_from_stage(s) for s in range(self.num_stages)], \
-                sorted(getattr(error, "absent", ()))
-            stages = [s for s, r in enumerate(ranks) if r in absent]
-            raise self._stage_timeout(
-                f"train_batch's entry check: stage(s) {stages} of the pipe (global rank(s) "
-                f"{absent}) did not reach it", f"global rank(s) {absent}") from error
+            absent = sorted(getattr(error, "absent", ()))
+            stages = [s for s in range(self.num_stages) if self._hcg.get_rank_from_stage(s)
+                      in absent]
+            who = f"stage(s) {stages} of the pipe (global rank(s) {absent})" if absent else (
+                "a rank of the job (its arrival was not seen: an earlier failure?)")
+            raise self._stage_timeout(f"train_batch's entry check: {who} did not reach it",
+                                      who) from error
 
     def _prepare_training(self, optimizer, lr_scheduler, grad_clip=None):
         _check_grad_clip(grad_clip)
@@ -351,9 +359,8 @@ class PipelineParallel(nn.Module):
         return self._broadcast_final_loss(scaled=True)
 
     def _batch_problem(self, data):
-        try:
-            batch = data[0].shape[0]
-        except (TypeError, ValueError, AttributeError, IndexError, KeyError):
+        batch = _batch_size(data)
+        if batch is None:
             return f"data must be (inputs, labels) with the batch on dim 0; got {type(data)}"
         acc, size = self.accumulate_steps, self.micro_batch_size
         if batch == 0 or batch % acc or (size and batch != size * acc):
@@ -412,9 +419,8 @@ class PipelineParallel(nn.Module):
             self.lr_scheduler.step()
 
     def _agree_on_step(self):
-        """Beyond Paddle: each stage reduces and checks its grads (the optimizer's agreement);
-        then one agreement over the job, so a step refused on one stage is refused on all (the
-        grads dropped and the buffers released everywhere); then the clip (a pipe collective)."""
+        """Beyond Paddle: each stage reduces and agrees on its grads, then one agreement over the
+        job: a step refused on one stage is refused on all, every buffer released; then the clip."""
         params = list(self._layers.parameters())
         try:
             self._reduce_for_step(params)
@@ -423,7 +429,7 @@ class PipelineParallel(nn.Module):
             refused = f"{type(error).__name__}: {error}"
         try:
             agree(self._agree_groups(), [(STEP_REFUSED_RULE, refused)], device=self._device())
-        except ValueError:
+        except Exception:  # refused (or a rank timed out): this step is dropped here too
             self._discard_grads()
             raise
         self._phase = Phase.IDLE
@@ -437,7 +443,14 @@ class PipelineParallel(nn.Module):
         for g in [_grad(p) for p in params] if self._delay_scale_loss else ():
             if g is not None:  # in place: Paddle's `grad.scale(1/acc)` rebinds the grad
                 g.mul_(1.0 / self.accumulate_steps)
-        hcg = self._hcg
+        hcg, slotted = self._hcg, set()
+        for buffers in self._chunk_2_comm_buffers.values():
+            for buffer in buffers:
+                slotted.update(id(p) for p in buffer.params)
+        unslotted = [p for p in params if p.requires_grad and id(p) not in slotted]
+        if self._comm_overlap and unslotted:
+            names = [f"{tuple(p.shape)}" for p in unslotted]
+            raise ValueError(f"{UNSLOTTED_RULE} (params of shapes {first_few(names)})")
         if hasattr(self.optimizer, "finish_grad_sync"):
             self.optimizer.finish_grad_sync()
             return

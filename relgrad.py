@@ -102,22 +102,22 @@ class HybridStrategy:
                  f"world size {world_size}; change the degrees or the number of ranks")
 
 
-def sharding_config_problem(strategy, split_param=None):
+def sharding_config_problem(strategy):
     """What breaks the sharding configs' rules in `strategy` (Paddle's hybrid_configs), or None."""
     configs = strategy.hybrid_configs
     pp, sd, pp_degree = configs["pp_configs"], configs["sharding_configs"], configs["pp_degree"]
-    split_param = sd.split_param if split_param is None else split_param
     released = pp.release_gradients or (sd.release_gradients and not pp.sharding_comm_overlap)
-    return next((text for bad, text in [
-        (sd.comm_overlap and (pp.sharding_comm_overlap or pp_degree > 1), "sharding_configs."
-         "comm_overlap is sharding's own overlap without a pipeline: it needs pp_degree 1 and "
-         "pp_configs.sharding_comm_overlap off (they cannot both be on), got "
-         f"{pp_degree} and {pp.sharding_comm_overlap}"),
-        (sd.free_grads_in_comm and not released, "sharding_configs.free_grads_in_comm needs "
-         "release: turn on pp_configs.release_gradients (or sharding_configs')"),
-        (sd.free_grads_in_comm and pp.delay_scale_loss and split_param, "sharding_configs."
-         "free_grads_in_comm with split_param: delay_scale_loss would miss the freed shards")]
-        if bad), None)
+    if sd.comm_overlap and (pp.sharding_comm_overlap or pp_degree > 1):
+        return ("sharding_configs.comm_overlap is sharding's own overlap without a pipeline: it "
+                "needs pp_degree 1 and pp_configs.sharding_comm_overlap off (they cannot both be "
+                f"on), got {pp_degree} and {pp.sharding_comm_overlap}")
+    if sd.free_grads_in_comm and not released:
+        return ("sharding_configs.free_grads_in_comm needs release: turn on "
+                "pp_configs.release_gradients (or sharding_configs')")
+    if sd.free_grads_in_comm and pp.delay_scale_loss and sd.split_param:
+        return ("sharding_configs.free_grads_in_comm with split_param: delay_scale_loss would "
+                "miss the freed shards")
+    return None
 
 
 class HybridCommunicateGroup:
@@ -150,7 +150,6 @@ class HybridCommunicateGroup:
                     self._groups.append((group, ranks))
 
     # Paddle's getters: ranks, sizes and groups along dp (axis 0), pipe (1), sharding (2).
-    def get_global_rank(self): return self._rank
     def get_data_parallel_rank(self): return self._coord[0]
     def get_data_parallel_world_size(self): return len(self._groups[0][1])
     def get_data_parallel_group(self): return self._groups[0][0]
@@ -256,9 +255,8 @@ class GradMarks:
         return flags
 
     def changed_in_place(self):
-        """The params whose grad's version moved more since their last backward than the
-        later backwards' in-place adds could move it (grads that view one buffer share one
-        version counter): a clip or an unscale of every grad moves the last one written."""
+        """The params whose grad's version moved more since their last backward than later
+        backwards' adds can (views of one buffer share a version counter)."""
         changed = []
         for p in self.params:
             grad, seen = _grad(p), self._written.get(id(p))
@@ -339,7 +337,8 @@ class _Wrapper(torch.optim.Optimizer):
         if hasattr(self, "grad_scale"):  # set by GradScaler.step(), None after unscale_()
             del self.grad_scale, self.found_inf  # GradScaler deletes them only after a step
             raise ValueError("torch.amp.GradScaler cannot drive this optimizer (it checks each "
-                             "rank's grads before the reduce): use bf16 with fp32 main grads")
+                             "rank's grads before the reduce): clear the grads; under bf16 autocast "
+                             "drop the scaler (bf16 params: fp32 main grads)")
         getattr(self._inner_opt, "check_template", lambda: None)()
 
     def zero_grad(self, set_to_none=True): self.clear_grad(set_to_zero=not set_to_none)

@@ -48,9 +48,9 @@ def all_reduce_mean(grads: list, group) -> None:
 @torch.no_grad()
 def agreed_all_reduce_mean(params: list, group, device, param_groups, here: list,
                            reduce: bool = True) -> list:
-    """The dp sync, the same collectives on every rank; the hyper-parameters agreed. `here`:
-    per param, written on this rank. A grad written elsewhere only is zeros here, as DDP's.
-    `reduce=False`: agree only (the buffers reduced them). Returns: written on some rank."""
+    """The dp sync, hyper-parameters agreed; `here`: written on this rank, per param (a grad
+    written elsewhere only is zeros here, as DDP's); `reduce=False`: agree only. Returns: written
+    on some rank."""
     if not params:
         return []
     densify_grads(params)
@@ -90,7 +90,7 @@ def extras(module: str, what: str):
         if error.name not in ("relgrad_extras", f"relgrad_extras.{module}"):
             raise
         raise ImportError(f"{what} lives in relgrad_extras/{module}.py, which is not on the "
-                          "path: copy the folder relgrad_extras/ beside the card's modules"
+                          "path: copy the folder relgrad_extras/ beside the four core modules"
                           ) from error
 
 
@@ -202,6 +202,9 @@ _CLIP_RULES = 3  # clip_grad_norm_'s rules (relgrad_extras.grad_clip): every ran
 LAYOUT_KEY = "sharding_layout"  # tags a per-rank state_dict() with the layout it fits
 _ERASE_MSG = ("should not erase grad buffer: release off, the grads are views of a persistent "
               "fused buffer; use zero_grad(set_to_none=False) or turn release_gradients on")
+UNSLOTTED_RULE = ("a param frozen when the fused buffers were built requires grad now: it has no "
+                  "slot, so its grad would not be reduced; refreeze it, or build the optimizer "
+                  "(and the pipeline) after unfreezing; clear this step")
 IN_PLACE_RULE = ("a grad changed in place between backward and step(), before step() reduces it "
                  "(torch's clip_grad_norm_ on each rank's local grads): clip with "
                  "opt.clip_grad_norm_(max_norm), or change grads after opt.finish_grad_sync(); "
@@ -315,7 +318,8 @@ class _Sharding(_Wrapper):
         problems.append((_DROPPED_RULE, "grads dropped" if dropped else None))
         same = [("how the step was opened (the call; clip_grad_norm_'s max_norm, norm_type, "
                  "error_if_nonfinite)", opened),
-                ("the hyper-parameters", hyper_parameters(self.param_groups))]
+                ("the hyper-parameters", hyper_parameters(self.param_groups)),
+                ("grad_clip's clip_norm", getattr(self._grad_clip, "clip_norm", None))]
         anywhere = agree(self._flag_groups(), problems, same, written, self._flags_device(),
                          title="every rank of the sharding (and dp) group must open a step "
                          "alike (all with opt.clip_grad_norm_ of the same arguments, or all "
@@ -337,7 +341,13 @@ class _Sharding(_Wrapper):
         return [f"param #{index[id(p)]} (shape {tuple(p.shape)}, {p.dtype})" for p in params]
 
     def _misuse_rules(self) -> list:
-        return []
+        """Beyond Paddle, own overlap: a param trainable now without a slot in its buffers."""
+        slotted = {id(p) for buffer in self.comm_buffers for p in buffer.params}
+        unslotted = []
+        for p in self._parameter_list:
+            if self._overlap is not None and p.requires_grad and id(p) not in slotted:
+                unslotted.append(p)
+        return [(UNSLOTTED_RULE, first_few(self._named(unslotted)))]
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -384,9 +394,8 @@ class _Sharding(_Wrapper):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
-        """torch's `clip_grad_norm_` on the optimizer (as FSDP's): step()'s first half on every
-        rank, then the reduced grads clipped by the global L2 norm; returns it. Lives in
-        relgrad_extras/grad_clip.py, beside Paddle's clip."""
+        """torch's `clip_grad_norm_` on the optimizer (as FSDP's): step()'s first half, then the
+        reduced grads clipped by the global L2 norm; returns it (relgrad_extras.grad_clip)."""
         clip = extras("grad_clip", "opt.clip_grad_norm_")
         return clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
@@ -395,10 +404,12 @@ class _Sharding(_Wrapper):
         error = None
         if self._overlap is not None:
             error = self._overlap.settle_for_clear()
-        early = self._phase in (Phase.IDLE, Phase.DROPPED) and error is None
-        dropped = early and any(self._marks.written())
+        if error is not None:  # every rank settled: the next clear needs no store round
+            self._phase = Phase.FAILED
+            return error
+        dropped = self._phase in (Phase.IDLE, Phase.DROPPED) and any(self._marks.written())
         self._phase = Phase.DROPPED if dropped else Phase.IDLE
-        return error
+        return None
 
     # ---- per-rank checkpoints (consolidated ones: relgrad_extras/checkpoint.py) ----
 
@@ -423,44 +434,8 @@ class _Sharding(_Wrapper):
         super().load_state_dict(state_dict)  # torch's hooks, then _load_local_state_dict
 
     def _load_local_state_dict(self, state_dict) -> None:
-        own = isinstance(state_dict, dict) and LAYOUT_KEY in state_dict
-        problem = self._load_problem(state_dict, own)
-        ckpt = None
-        if not own and problem is None:
-            ckpt = extras("checkpoint", "Loading a consolidated state")
-        agree(self._flag_groups(), [("load_state_dict refused", problem)],
-              [("the kind of state dict (per-rank or consolidated)", int(own))],
-              device=self._flags_device())
-        self._pending_state = None
-        if not own:
-            ckpt.load(self, state_dict)  # checked on every rank there
-            return
-        inner = dict(state_dict)
-        del inner[LAYOUT_KEY]
-        super()._load_local_state_dict(inner)
-
-    def _load_problem(self, state_dict, own: bool):
-        if own:
-            return self._layout_problem(state_dict[LAYOUT_KEY])
-        if state_dict is None:
-            return ("load_state_dict got None: consolidate_state_dict(to) returns the state on "
-                    "sharding rank `to` only; pass that dict on every rank")
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-            return ("load_state_dict takes this rank's state_dict() or a consolidated / plain "
-                    f"torch one (keys 'state', 'param_groups'); got {type(state_dict).__name__}")
-        return None
-
-    def _layout_problem(self, saved: dict):
-        diffs = []
-        for key, here in self._layout().items():
-            unknown = key == "slices" and None in (saved.get(key), here)  # v2 before its buffers
-            if saved.get(key) != here and not unknown:
-                diffs.append(f"{key}: saved {str(saved.get(key))[:200]}, here {str(here)[:200]}")
-        if not diffs:
-            return None
-        return ("a per-rank state_dict() loads only into the layout it was saved from; it "
-                f"differs: {'; '.join(diffs)}. For another layout save "
-                "opt.consolidate_state_dict(to=0) and load that dict on every rank")
+        """A per-rank state of this layout, or a consolidated one (relgrad_extras)."""
+        extras("checkpoint", "load_state_dict").load_state(self, state_dict)
 
 
 def _check_grad_clip(grad_clip):
@@ -479,12 +454,8 @@ def _comm_buffer_bytes(sharding_config, default_mb: int = 256) -> int:
 # ---- Sharding v1: whole params per owner ----
 
 class DygraphShardingOptimizer(_Sharding):
-    """Sharding v1: whole params, greedy owners, reduce -> step owned -> broadcast.
-
-    Args as `_Sharding`. `_param2rank`: param -> owner. With `sharding_configs.comm_overlap`
-    (no pipeline) REDUCE buffers per owner are hooked to backward; else `step()` reduces each
-    grad to its owner.
-    """
+    """Sharding v1: whole params, greedy owners, reduce -> step owned -> broadcast. Args as
+    `_Sharding`; `_param2rank`: param -> owner. Without hooks, `step()` reduces each grad."""
 
     _is_v2 = False
 
@@ -606,9 +577,8 @@ class DygraphShardingOptimizerV2(_Sharding):
     """Sharding v2 (split_param): flat shards, reduce-scatter -> step slices -> all-gather.
 
     Args as v1. Each param becomes a view of a flat padded buffer; the inner optimizer steps
-    `_slice_params[param]`, this rank's 1-D piece. The REDUCE_SCATTER buffers are its own or,
-    under pp_configs.sharding_comm_overlap, the pipeline's (`param.comm_buffer_ref`). Without
-    hooks, `reduce_gradients` copies the grads in at step() (release on).
+    `_slice_params[param]`, this rank's 1-D piece. The buffers are its own or, under pipeline
+    overlap, the pipeline's (`param.comm_buffer_ref`); without hooks `step()` copies grads in.
     """
 
     _is_v2 = True
@@ -650,13 +620,15 @@ class DygraphShardingOptimizerV2(_Sharding):
     @torch.no_grad()
     def clear_grad(self, set_to_zero: bool = True) -> None:
         """Zero or drop every grad; with release and no pipeline overlap, free the buffers."""
+        error = self._settle_for_clear()  # beyond Paddle (skippable): own overlap, every rank
+        if error is not None:  # beyond Paddle: every rank raises it below, after zeroing
+            set_to_zero = True
         # Seed hunk: the "should not erase grad buffer" assert holds only with release off
         if not self.sd_release_grads:
             _require_zero(set_to_zero)
 
         if self.pp_overlap and not self.pp_release_grads:  # [later, #64517] the pipeline's persist
             _require_zero(set_to_zero)
-        error = self._settle_for_clear()  # beyond Paddle (skippable): own overlap in flight
         for p in self._parameter_list:
             clear_grad_func(p, set_to_zero)
         for slice_param in self._slice_params.values() if self.sd_release_grads else ():
@@ -753,7 +725,7 @@ class DygraphShardingOptimizerV2(_Sharding):
         return [("a param moved to another dtype or device since v2 was built (model.to(...)): "
                  "build the optimizer after moving the model", first_few(self._named(moved))),
                 ("a param frozen when DygraphShardingOptimizerV2 was built requires grad now (it "
-                 "has no slot): build the optimizer after unfreezing",
+                 "has no slot): refreeze it, or build the optimizer after unfreezing",
                  first_few(self._named(unfrozen))),
                 ("a param's main_grad does not match its bucket: register_main_grad_hooks on "
                  "every param before building", first_few(self._named(main_grad)))]

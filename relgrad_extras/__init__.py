@@ -1,4 +1,4 @@
-"""Beyond-seed features of relgrad that plug into the card's modules (never the reverse).
+"""Beyond-seed features of relgrad that plug into the four core modules (never the reverse).
 
 - `grad_clip`: Paddle's ClipGradByGlobalNorm, passed as `grad_clip=` to the sharding
   optimizers or `PipelineParallel.train_batch`.

@@ -39,6 +39,8 @@ import torch.distributed as dist
 
 from comm_buffer import agree, global_rank
 
+from sharding import LAYOUT_KEY
+
 
 # ---------------------------------------------------------------- what this rank holds
 
@@ -331,3 +333,45 @@ def _apply_full(opt, state_dict, groups, hyper=True):
                 inner.state[key] = {name: _place(v, name, piece, key, group)
                                     for name, v in by_index[i].items()}
         start += len(group["params"])
+
+
+def load_state(opt, state_dict):
+    """`opt.load_state_dict`: this rank's `state_dict()` (the same layout only) or a
+    consolidated / plain torch one; refused on every rank alike if it does not fit."""
+    own = isinstance(state_dict, dict) and LAYOUT_KEY in state_dict
+    problem = _load_problem(opt, state_dict, own)
+    agree(opt._flag_groups(), [("load_state_dict refused", problem)],
+          [("the kind of state dict (per-rank or consolidated)", int(own))],
+          device=opt._flags_device())
+    opt._pending_state = None
+    if not own:
+        load(opt, state_dict)  # checked on every rank there
+        return
+    inner = dict(state_dict)
+    del inner[LAYOUT_KEY]
+    opt._inner_opt.load_state_dict(inner)
+
+
+def _load_problem(opt, state_dict, own):
+    if own:
+        return _layout_problem(opt, state_dict[LAYOUT_KEY])
+    if state_dict is None:
+        return ("load_state_dict got None: consolidate_state_dict(to) returns the state on "
+                "sharding rank `to` only; pass that dict on every rank")
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        return ("load_state_dict takes this rank's state_dict() or a consolidated / plain "
+                f"torch one (keys 'state', 'param_groups'); got {type(state_dict).__name__}")
+    return None
+
+
+def _layout_problem(opt, saved):
+    diffs = []
+    for key, here in opt._layout().items():
+        unknown = key == "slices" and None in (saved.get(key), here)  # v2 before its buffers
+        if saved.get(key) != here and not unknown:
+            diffs.append(f"{key}: saved {str(saved.get(key))[:200]}, here {str(here)[:200]}")
+    if not diffs:
+        return None
+    return ("a per-rank state_dict() loads only into the layout it was saved from; it "
+            f"differs: {'; '.join(diffs)}. For another layout save "
+            "opt.consolidate_state_dict(to=0) and load that dict on every rank")

@@ -10,7 +10,7 @@ the inner optimizer step (and so before a released buffer is freed).
 The sum itself (fp32 squares of what each rank steps, all-reduced over sharding then pipe) is
 `clip_grads_by_global_norm` below, which the wrappers' torch-shaped
 `opt.clip_grad_norm_(max_norm)` also calls; this class only keeps Paddle's object and
-coefficient. Copy this folder beside the card's modules to use it.
+coefficient. Copy this folder beside the four core modules to use it.
 
 Leaves out: mp-split ("distributed") params and their separate sum, `auto_skip_clip`,
 `group_name`, SELECTED_ROWS grads.
@@ -76,7 +76,10 @@ def clip_grads_by_global_norm(params_grads, max_norm, groups=(), device=None, co
     `need_clip=False`: out, `is_firstly_shared=False`: uncounted) by "paddle": `max_norm /
     (max(norm, max_norm) + 1e-6)` or "torch": `min(max_norm / (norm + 1e-6), 1)`. Returns it."""
     pairs = [(p, g) for p, g in params_grads if g is not None and getattr(p, "need_clip", True)]
-    squares = [g.float().square().sum() for p, g in pairs if getattr(p, "is_firstly_shared", True)]
+    squares = []  # in fp32 on every rank, whatever the grads' dtype (torch: the grads' own)
+    for p, g in pairs:
+        if getattr(p, "is_firstly_shared", True):
+            squares.append(g.float().square().sum())
     device = device or (pairs[0][1].device if pairs else torch.device("cpu"))
     total = (torch.stack(squares).sum() if squares
              else torch.zeros((), dtype=torch.float32, device=device))

@@ -19,6 +19,9 @@ from sharding import BucketScheduler, plug_free_in_comm
 
 _CALL_RULE = ("zero_grad() ran between backward and step() with comm_overlap's collectives in "
               "flight (or on some rank step()): every rank settled and cleared this step; go on")
+_CALL_TITLE = ("under sharding_configs.comm_overlap every rank calls step() or zero_grad() alike: "
+               "every rank settled and cleared this step; clear once more where a step() raised "
+               "this, then go on")
 
 
 class OwnOverlap:
@@ -66,7 +69,8 @@ class OwnOverlap:
         if call == "zero_grad()":
             same.append(("backward passes this step", most))
         try:
-            agree(self.opt._flag_groups(), [(_CALL_RULE, flying)], same, via_store=True)
+            agree(self.opt._flag_groups(), [(_CALL_RULE, flying)], same, via_store=True,
+                  title=_CALL_TITLE)
         except ValueError:
             self.scheduler.settle()
             raise
@@ -74,10 +78,12 @@ class OwnOverlap:
     def settle_for_clear(self):
         """zero_grad(): `agree_on_call` unless the step ran; returns the error to raise."""
         phase, error = self.opt._phase, None
-        if phase != Phase.STEPPED:
+        if phase == Phase.FAILED:  # refused alike on every rank: settle here, no store round
+            self.scheduler.settle()
+        elif phase != Phase.STEPPED:
             try:
                 self.agree_on_call("zero_grad()")
             except ValueError as caught:
-                error = None if phase == Phase.FAILED else caught
+                error = caught
         self.scheduler.reset()
         return error
