@@ -33,9 +33,9 @@ from torch import nn
 
 import comm_buffer
 from relgrad_checks.common import _assert_bitwise
-from relgrad_checks import (checkpoints, clipping, contract, demo_peers, drift, failures,
-                            fused_buffer, habits, interleave, loops, nccl_branch, pipe, recipes,
-                            scripts, sharding_overlap, zero)
+from relgrad_checks import (checkpoints, clipping, contract, ddp_habits, demo_peers, drift,
+                            failures, fused_buffer, habits, interleave, loops, nccl_branch, pipe,
+                            recipes, recovery, scripts, sharding_overlap, zero)
 from relgrad_demo import cli
 from relgrad_demo.memory import live_grad_bytes
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
@@ -2416,3 +2416,348 @@ def test_plain_torch_grouping_noise():
     assert all(0 <= moved(whole, train(g)) < 1e-7 for g in (2, 4, 8))
     autocast = train(1, autocast=True, clip=1.0)
     assert max(moved(autocast, train(g, autocast=True, clip=1.0)) for g in (2, 4)) > 1e-4
+
+
+# ---------------------------------------------------------------- a step that fails: every rank alike, then an exact recovery
+
+def _same_text(seen, world, *words):
+    """Every rank raised the same ValueError, one text, containing each of `words`."""
+    _same_error(seen, world, words[0])
+    assert seen[0][0] == "ValueError" and len({text for _, text in seen}) == 1, seen
+    for word in words[1:]:
+        assert word in seen[0][1], (word, seen[0][1])
+
+
+def _check_recovered(results, world, *words):
+    """Per case: the same ValueError with `words` on every rank; no param changed by the bad
+    step; buffers freed (release on); the params at the end within 1e-6 of the oracle; and
+    release off and on bitwise equal."""
+    assert len(results) == world and len(results[0]) > 0
+    assert all(r.keys() == results[0].keys() for r in results)
+    for case in results[0]:
+        rows = [r[case] for r in results]
+        _same_text([row[0] for row in rows], world, *words)
+        for _, unchanged, freed, params, oracle, *_ in rows:
+            assert unchanged and freed, (case, unchanged, freed)
+            _assert_params(params, oracle, atol=1e-6)
+    for r in results:
+        pairs = [(r[c][3], r[c.replace("release=False", "release=True")][3]) for c in r
+                 if "release=False" in c]
+        for off, on in pairs:
+            assert len(off) == len(on) > 0 and all(map(torch.equal, off, on))
+
+
+@pytest.mark.parametrize("family", ["dp", "sharding"])
+def test_lr_on_one_stage_refused_on_every_rank(ranks, family):
+    """Check that an lr set 1.25x by hand on one rank of stage 1 (pp 2 x dp 2 with dp overlap off / on;
+    pp 2 x sharding 2, v1 / v2, sharding overlap off / on; release off / on) makes train_batch
+    raise the same ValueError on all 4 ranks naming the lr, steps nothing, frees the buffers,
+    and that with the lr set back and the grads cleared training matches one process that
+    skipped that batch (1e-6; the lr changes params by ~1e-3)."""
+    results = ranks(4).run(recovery.lr_on_one_stage, family, timeout=60)
+    _check_recovered(results, 4, "step was refused", "param_groups[0]['lr'] differs across ranks")
+
+
+def test_unfrozen_bias_on_one_stage_refused_on_every_rank(ranks):
+    """Check that a bias frozen when v2 and the pipeline were built and unfrozen on its stage
+    (pp 2 x sharding 2, sharding overlap off / on, release off / on) makes train_batch raise
+    the same ValueError on all 4 ranks, and that refrozen and cleared, training matches one
+    process with the bias frozen that skipped that batch."""
+    results = ranks(4).run(recovery.unfrozen_on_one_stage, timeout=60)
+    _check_recovered(results, 4, "frozen")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("case", ["branch", "lr"])
+def test_free_in_comm_refused_step_recovers(ranks, version, case):
+    """Check that under sharding's own overlap with free_grads_in_comm (2 ranks, 4 buckets) a
+    step that rank 1's backward leaves a branch out of, or whose lr differs on rank 1, raises
+    the same ValueError at step() on both ranks within 4 s (no wait inside backward), and
+    that after zero_grad() the next steps match one process that skipped it."""
+    result = ranks(2).run(recovery.free_in_comm_own, version, case, timeout=60)
+    _check_recovered([{case: r} for r in result], 2,
+                     "bucket" if case == "branch" else "param_groups[0]['lr'] differs")
+    assert all(len(r[5]) > 1 and r[6] < 4 for r in result), [r[5:] for r in result]
+
+
+def test_free_in_comm_pipeline_refused_batch_recovers(ranks):
+    """Check that pp 2 x sharding 2 with sharding overlap and free_grads_in_comm (v1, v2) ends
+    a batch in which one rank's bias gets no grad with the same ValueError on all 4 ranks,
+    and that the next batches match one process that skipped it."""
+    results = ranks(4).run(recovery.free_in_comm_pipeline, timeout=60)
+    _check_recovered(results, 4, "bucket")
+
+
+def test_store_keys_constant_own_overlap(ranks):
+    """Check that 40 steps of sharding's own overlap (v1 / v2, release off / on; a store
+    round per step) leave the default store's key count as it was after step 1, as plain
+    torch does."""
+    results = ranks(2).run(recovery.store_keys_own_overlap, timeout=60)
+    _check_constant_keys(results, 2, 5)
+
+
+def test_store_keys_constant_train_batch(ranks):
+    """Check that 40 train_batch calls on pp 2 x sharding 2 (v1 / v2, sharding overlap,
+    release off / on; an entry check marking arrivals) leave the store's key count as it was
+    after the first."""
+    _check_constant_keys(ranks(4).run(recovery.store_keys_train_batch, timeout=60), 4, 4)
+
+
+def _check_constant_keys(results, world, cases):
+    assert len(results) == world and all(len(r) == cases for r in results), results
+    grown = {case: counts[-1] - counts[0] for r in results for case, counts in r.items()
+             if len(counts) != 40 or counts[-1] != counts[0]}
+    assert not grown, f"keys added from step 1 to step 40: {grown}"
+
+
+def test_interleave_param_in_two_chunks_refused_at_build(ranks):
+    """Check that one nn.Linear at layers 0 and 4 of PipelineParallelWithInterleave (pp 2,
+    2 virtual stages: chunks 0 and 2 of stage 0; v2 sharding overlap and dp overlap, release
+    off / on) raises the same ValueError at construction on all 4 ranks, naming both chunks
+    (or layers) and shared_weights."""
+    results = ranks(4).run(recovery.param_in_two_chunks, timeout=60)
+    assert len(results) == 4 and len(results[0]) == 4
+    for case in results[0]:
+        seen = [r[case][0] for r in results]
+        assert all(s is not None for s in seen), (case, [r[case] for r in results])
+        _same_text(seen, 4, "shared_weights")
+        text = seen[0][1]
+        assert ("chunk 0" in text and "chunk 2" in text) or ("'0.weight'" in text
+                                                              and "'4.weight'" in text), text
+
+
+def test_incomplete_bucket_names_the_param_own_overlap(ranks):
+    """Check that a branch rank 1's backward leaves out under sharding's own overlap (acc 2,
+    v1 / v2, release off / on) raises on both ranks the same ValueError naming the param by
+    index, shape (3, 4) and bucket, and that clearing and training on matches one process."""
+    results = ranks(2).run(recovery.unused_branch_named, timeout=60)
+    _check_recovered(results, 2, "param #", "bucket", "(3, 4)")
+
+
+def test_incomplete_bucket_names_the_param_reentrant_checkpoint(ranks):
+    """Check that stage 0's first Linear under a reentrant checkpoint on data (pp 2 x sharding
+    2, sharding overlap, acc 2, v1 / v2, release off / on; its params get no grad) raises on
+    all 4 ranks the same ValueError naming the param (#, shape (8, 6), bucket) and
+    use_reentrant=False, and that with use_reentrant=False training matches one process."""
+    results = ranks(4).run(recovery.reentrant_checkpoint, timeout=60)
+    _check_recovered(results, 4, "param #", "bucket", "(8, 6)", "use_reentrant=False")
+
+
+def test_frozen_after_build_refused_own_overlap(ranks):
+    """Check that a layer frozen after build under sharding's own overlap (v1 / v2, release
+    off / on) makes step() raise the same ValueError on both ranks, and that unfrozen and
+    cleared, training matches one process that skipped that step."""
+    results = ranks(2).run(recovery.frozen_after_build, timeout=60)
+    _check_recovered(results, 2, "bucket")
+
+
+def _bitwise(got, want):
+    assert len(got) == len(want) > 0 and all(map(torch.equal, got, want)), max(
+        (g - w).abs().max().item() for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_lone_weight_bucket_matches_one_process(ranks, world):
+    """Check that a 1.03 MiB weight alone in its 1 MB bucket (sharding's own overlap on 2
+    ranks, or on stage 0 of pp 2 x sharding 2 with sharding overlap; acc 2, v1 / v2, release
+    off / on, AdamW 3 steps) ends bitwise equal to one process summing the grads as the ranks
+    do (AdamW hides a constant grad scale up to eps: no tolerance)."""
+    results = ranks(world).run(recovery.lone_weight, timeout=60)
+    assert len(results) == world and all(len(r) == 4 for r in results)
+    for rank, r in enumerate(results):
+        for params, want, sizes in r.values():
+            assert 1 in sizes or rank >= 2, sizes  # the weight's bucket holds it alone
+            _bitwise(params, want)
+
+
+# ---------------------------------------------------------------- the loops people already run: DDP's and train.py's habits
+
+def _by_case(results, world, count):
+    """{case: [each rank's value]} of `world` ranks' {case: value}, `count` cases each."""
+    assert len(results) == world and all(len(r) == count for r in results), results
+    assert all(r.keys() == results[0].keys() for r in results)
+    return {case: [r[case] for r in results] for case in results[0]}
+
+
+def _run(folder, files, source):
+    """Run `source` from the empty `folder` on 2 ranks; (codes, outputs, saved states, evals)."""
+    folder.mkdir()
+    codes, outputs, _ = recipes.run_recipe(folder, files, source, world=2, save=False)
+    load = [[torch.load(p) if (p := folder / f"{k}_rank{r}.pt").exists() else None
+             for r in range(2)] for k in ("state", "eval")]
+    return codes, outputs, *load
+
+
+def test_batchnorm_recipe_a_bitwise_like_ddp(tmp_path):
+    """Check that README recipe (a) as written, with a BatchNorm1d model and rank-specific data
+    on 2 ranks, release off / on, ends with params and BatchNorm buffers bitwise those of
+    torch's DDP (no_sync but on the last micro-batch), and its eval pass after
+    broadcast_buffers(model, None) gives DDP's eval outputs bitwise."""
+    files, source = _recipe("a")
+    codes, outputs, want, want_eval = _run(tmp_path / "ddp", [], ddp_habits.DDP_BN)
+    assert codes == [0, 0], outputs
+    assert len(want[0]["buffers"]) == 3 and len(want[0]["params"]) == 6
+    assert not torch.equal(want[0]["buffers"][0], want[1]["buffers"][0])  # rank-local stats
+    for release in (False, True):
+        codes, outputs, got, got_eval = _run(tmp_path / f"release_{release}", files,
+                                             ddp_habits.bn_recipe(source, release))
+        assert None not in got, outputs
+        for rank in range(2):
+            for kind in ("params", "buffers"):
+                _assert_bitwise(got[rank][kind], want[rank][kind], (kind, release, rank))
+        assert codes == [0, 0], outputs
+        _assert_bitwise(got_eval, want_eval, ("eval", release))
+
+
+def test_zero_grad_to_none_release_off_recipe_a(tmp_path):
+    """Check that README recipe (a) with RELEASE = False and torch's opt.zero_grad() (to None)
+    on 2 ranks trains bitwise like the recipe as written (release on) and within 1e-6 of one
+    process, and that after each step's backward every grad is its slot's view again."""
+    files, source = _recipe("a")
+    (tmp_path / "off").mkdir(), (tmp_path / "on").mkdir()
+    off = recipes.run_recipe(tmp_path / "off", files, ddp_habits.zero_grad_default_recipe(
+        source), world=2)
+    on = recipes.run_recipe(tmp_path / "on", files, source, world=2)
+    assert off[0] == on[0] == [0, 0], (off[1], on[1])
+    want = recipes.reference(recipes._mlp(), range(6), rows=16, clip=1.0)
+    for rank in range(2):
+        _assert_bitwise(off[2][rank], on[2][rank], rank)
+        _assert_params(off[2][rank], want)
+        views = torch.load(tmp_path / "off" / f"views_rank{rank}.pt")
+        assert len(views) == 6 and all(v == [True] * 4 for v in views), views
+
+
+def test_zero_grad_to_none_release_off_sharding(ranks):
+    """Check that torch's zero_grad() default after each step with release off trains v1 (own
+    overlap off / on) bitwise like release on and within 1e-6 of one process, each grad its
+    slot's view again after backward, and that v2 with release off raises the same ValueError
+    on both ranks naming set_to_none=False, then trains on with zero_grad(set_to_none=False)."""
+    results = ranks(2).run(ddp_habits.zero_grad_default, timeout=60)
+    oracle = results[0][1]
+    cases = _by_case([r[0] for r in results], 2, 6)
+    for case, rows in cases.items():
+        for seen, views, params in rows:
+            _assert_params(params, oracle)
+            if case.startswith("v=1"):
+                assert seen is None, (case, seen)
+                assert views == [None if "overlap=False" in case or "release=True" in case
+                                 else True] * ddp_habits.STEPS, (case, views)
+        if case.startswith("v=2"):
+            _same_text([row[0] for row in rows], 2, "should not erase grad buffer",
+                       "set_to_none=False")
+    for overlap in (False, True):
+        off, on = (cases[f"v=1 overlap={overlap} release={r}"] for r in (False, True))
+        for rank in range(2):
+            _assert_bitwise(off[rank][2], on[rank][2], (overlap, rank))
+
+
+def test_torch_clip_on_model_refused_without_overlap(ranks):
+    """Check that torch.nn.utils.clip_grad_norm_ on the model between backward and step() (v1 /
+    v2 without overlap, release off / on) makes step() raise the same ValueError on both ranks
+    naming opt.clip_grad_norm_, steps nothing, and that cleared and trained on with
+    opt.clip_grad_norm_(1.0) the params are within 1e-6 of one process using torch's clip."""
+    results = ranks(2).run(ddp_habits.torch_clip_no_overlap, timeout=60)
+    oracle = results[0][1]
+    for case, rows in _by_case([r[0] for r in results], 2, 4).items():
+        _same_text([row[0] for row in rows], 2, "changed in place", "opt.clip_grad_norm_")
+        for _, unchanged, params in rows:
+            assert unchanged, case
+            _assert_params(params, oracle)
+
+
+def test_grad_scaler_refused_then_trains(ranks):
+    """Check that torch.amp.GradScaler driving v1 / v2 (own overlap off / on, release off / on),
+    in train.py's unscale_ + clip order or scaler.step right after backward, with an inf in one
+    grad on rank 1, raises the same ValueError on both ranks naming GradScaler and bf16 before
+    anything is stepped (no NaN), and that cleared, training on without the scaler matches one
+    process over the later steps (1e-6)."""
+    results = ranks(2).run(ddp_habits.grad_scaler, timeout=90)
+    oracle = results[0][1]
+    for case, rows in _by_case([r[0] for r in results], 2, 16).items():
+        _same_text([row[0] for row in rows], 2, "GradScaler", "bf16")
+        for _, unchanged, later, params in rows:
+            assert unchanged, case
+            assert later is None, (case, later)
+            _assert_params(params, oracle)
+
+
+def test_train_py_order_frees_with_extra_zero_grad(ranks):
+    """Check that in train.py's order (zero_grad after the forward) with release on, v1 / v2,
+    own overlap off / on, an extra zero_grad() after step() makes every later forward and the
+    eval forward between steps start with every fused buffer freed and no grad, that without it
+    they hold them, and that both train within 1e-6 of one process."""
+    results = ranks(2).run(ddp_habits.train_py_order, timeout=60)
+    oracle = results[0][1]
+    for case, rows in _by_case([r[0] for r in results], 2, 8).items():
+        for seen, n_buffers, params in rows:
+            assert (n_buffers == 0) == case.startswith("v=1 overlap=False"), case
+            assert [t for t, _ in seen] == [True, False] * ddp_habits.STEPS, (case, seen)
+            holds = (n_buffers > 0, True)
+            want = ([(False, False)] * 2 * ddp_habits.STEPS if "extra=True" in case else
+                    [(False, False)] + [holds] * (2 * ddp_habits.STEPS - 1))
+            assert [h for _, h in seen] == want, (case, seen)
+            _assert_params(params, oracle)
+
+
+def test_step_pre_hook_and_finish_grad_sync_see_reduced_grads(ranks):
+    """Check that under sharding's own overlap (v1 / v2, release off / on, acc 1 / 2) the grads
+    of what each rank steps, read in a step pre-hook or right after opt.finish_grad_sync(), are
+    within 1e-6 of one process's mean grads, that step() after finish_grad_sync() leaves them
+    bitwise as they were, and that the params end within 1e-6 of one process."""
+    results = ranks(2).run(ddp_habits.grads_final, timeout=90)
+    grads, oracle = results[0][1]
+    assert len(grads) == ddp_habits.STEPS
+    for case, rows in _by_case([r[0] for r in results], 2, 16).items():
+        for seen, kept, params in rows:
+            assert len(seen) == ddp_habits.STEPS, (case, len(seen))
+            for step, entries in enumerate(seen):
+                assert len(entries) > 0, case
+                for index, start, grad in entries:
+                    want = grads[step][index]
+                    want = want if start is None else want.reshape(-1)[start: start + len(grad)]
+                    torch.testing.assert_close(grad, want, rtol=0, atol=1e-6)
+            assert kept == ([True] * ddp_habits.STEPS if "how=finish" in case else []), case
+            _assert_params(params, oracle)
+
+
+def test_wrong_comm_group_under_pp_dp_refused_at_build(ranks):
+    """Check that a bare FusedCommBuffer built with comm_group=None on 4 ranks whose two stages
+    hold params of other shapes (same count and elements) or another dtype raises the same
+    ValueError at build on every rank naming comm_group, and that built with each stage's dp
+    group one SGD step matches one process averaging the two replicas' grads."""
+    for case, rows in _by_case(ranks(4).run(ddp_habits.wrong_group, timeout=60), 4, 4).items():
+        _same_text([row[0] for row in rows], 4, "comm_group")
+        for _, params, want in rows:
+            _assert_params(params, want)
+
+
+def test_acc_steps_message_names_micro_batches(ranks):
+    """Check that a FusedCommBuffer built with acc_steps=1 under 4 micro-batches per step
+    (release off / on) raises the same ValueError on both ranks saying acc_steps is the number
+    of micro-batches."""
+    for release, seen in _by_case(ranks(2).run(ddp_habits.acc_steps_message), 2, 2).items():
+        _same_text(seen, 2, "micro-batches", "acc_steps=1")
+
+
+def test_moe_expert_without_tokens_not_stepped(ranks):
+    """Check that under the pipeline (pp 2, and pp 2 x dp 2, plain AdamW) an expert that gets no
+    token in every other step ends bitwise equal with release off and on, and within 1e-6 of one
+    process whose zero_grad() sets the grads to None."""
+    for world in (2, 4):
+        results = ranks(world).run(ddp_habits.moe_expert, timeout=60)
+        for rank, (params, want) in enumerate(results):
+            assert sorted(params) == [False, True]
+            _assert_bitwise(params[False], params[True], (world, rank))
+            _assert_params(params[True], want)
+
+
+def test_pipeline_leaves_module_modes(ranks):
+    """Check that train_batch and eval_batch (pp 2, plain SGD, release off / on) leave a
+    BatchNorm1d set to eval() in eval mode with its running stats unchanged and the model's
+    training flag as the user set it, and that the params are within 1e-6 of one process."""
+    for rank, (out, want) in enumerate(ranks(2).run(ddp_habits.frozen_batchnorm, timeout=60)):
+        assert sorted(out) == [False, True]
+        for release, (modes, changed, params) in out.items():
+            assert modes == [(True, False), (True, False), (False, False)], (rank, modes)
+            assert not changed, (rank, release)
+            _assert_params(params, want)
