@@ -6,11 +6,13 @@ every param checked in `acc_steps` times. With release a step's first check-in a
 buffer and `release()` frees it. Phases: check in -> communicate -> wait and scale -> release.
 Differs from the seed: 16-bit sums divide first. Leaves out: `use_reduce_avg`, timers, XPU.
 """
+import datetime
 import hashlib
 import pickle
 import re
 import weakref
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -19,13 +21,12 @@ import torch.distributed as dist
 # ---- Layout: slots, shards and the views into them (nothing here communicates) ----
 
 ALIGNMENT_BYTES = 256  # Paddle's alignment["gpu"]: each slot starts on a 256-byte boundary
+_GRAD = {True: "main_grad", False: "grad"}
 
 
 def _grad_of(param, use_main_grad): return param.main_grad if use_main_grad else param.grad
 def _set_grad(param, use_main_grad, value): setattr(param, _GRAD[use_main_grad], value)
-
-
-_GRAD = {True: "main_grad", False: "grad"}
+def _grad_dtype(param, use_main_grad): return torch.float32 if use_main_grad else param.dtype
 
 
 def _share_param_buffer(param, param_buffer, index):  # the param becomes a view of its range
@@ -38,9 +39,9 @@ class ShardingGradView:
     """A param's elements `[index, index + padded_size)` in a REDUCE_SCATTER bucket (Paddle's):
     `_param_begin:_param_end` its overlap with this rank's shard, `_slice_grad` the grad's."""
 
-    def __init__(self, param: torch.Tensor, param_buffer: torch.Tensor, grad_buffer, index: int,
-                 padded_size: int, sharding_degree: int, rank: int, use_main_grad: bool,
-                 release_grad: bool) -> None:
+    def __init__(self, param: torch.Tensor, param_buffer: torch.Tensor,
+                 grad_buffer: torch.Tensor | None, index: int, padded_size: int,
+                 sharding_degree: int, rank: int, use_main_grad: bool, release_grad: bool) -> None:
         self._param, self._param_buffer, self._grad_buffer = param, param_buffer, grad_buffer
         self._index, self._padded_size, self._use_main_grad = index, padded_size, use_main_grad
         shard = param_buffer.numel() // sharding_degree
@@ -55,7 +56,7 @@ class ShardingGradView:
             _set_grad(param, use_main_grad, self._slice_grad_from_buffer().view(param.shape))
         _share_param_buffer(param, param_buffer, index)
 
-    def piece(self):
+    def piece(self) -> tuple | None:
         """This rank's piece of the param, `(offset in the param, elements)`, or None."""
         if not self._has_local:
             return None
@@ -66,10 +67,10 @@ class ShardingGradView:
             self._slice_grad = self._grad_buffer[self._param_begin : self._param_end]
         return self._grad_buffer[self._index : self._index + self._param.numel()]
 
-    def fill_slice_param(self, slice_param):  # the 1-D view of this rank's piece
+    def fill_slice_param(self, slice_param: torch.Tensor) -> None:  # this rank's 1-D piece
         slice_param.data = self._param_buffer[self._param_begin : self._param_end]
 
-    def assign_slice_grad(self, slice_param):
+    def assign_slice_grad(self, slice_param: torch.Tensor) -> None:
         """Fill `slice_param`, bind its grad (main_grad) to `_slice_grad`; skip if empty."""
         if self._slice_grad is None:
             return
@@ -84,8 +85,9 @@ class ShardingGradView:
         self._slice_grad = self._grad_buffer = None
 
 
-def build_reduce_scatter_buffer(params, sharding_degree, rank, use_main_grad=False,
-                                release_grad=False):
+@torch.no_grad()
+def build_reduce_scatter_buffer(params: list, sharding_degree: int, rank: int,
+                                use_main_grad: bool = False, release_grad: bool = False) -> tuple:
     """Lay out a REDUCE_SCATTER bucket; move `params` into one flat param buffer.
 
     Each param pads to a multiple of `unit = (256 / elem_size) * sharding_degree` elements, so
@@ -96,8 +98,7 @@ def build_reduce_scatter_buffer(params, sharding_degree, rank, use_main_grad=Fal
     dtype, device = params[0].dtype, params[0].device
     unit = ALIGNMENT_BYTES // dtype.itemsize * sharding_degree
     padded = [(p.numel() + unit - 1) // unit * unit for p in params]
-    total = sum(padded)
-    grad_dtype = torch.float32 if use_main_grad else dtype
+    total, grad_dtype = sum(padded), _grad_dtype(params[0], use_main_grad)
     param_buffer = torch.zeros(total, dtype=dtype, device=device)
     # Seed hunk (reconstructed, point 1): v2's layout; with release, no grad buffer yet
     grad_buffer = None if release_grad else torch.zeros(total, dtype=grad_dtype, device=device)
@@ -111,7 +112,8 @@ def build_reduce_scatter_buffer(params, sharding_degree, rank, use_main_grad=Fal
 
 
 @torch.no_grad()
-def flatten_dense_tensors(params, use_main_grad=False, fuse_param=False, release_grad=False):
+def flatten_dense_tensors(params: list, use_main_grad: bool = False, fuse_param: bool = False,
+                          release_grad: bool = False) -> tuple:
     """Lay out an ALL_REDUCE / REDUCE bucket and allocate its storage (Paddle's name).
 
     A slot is the param's numel padded to 256 bytes in the *param* dtype, also for fp32 main
@@ -130,7 +132,7 @@ def flatten_dense_tensors(params, use_main_grad=False, fuse_param=False, release
 
     dtype, device = params[0].dtype, params[0].device
     param_storage = torch.zeros(size, dtype=dtype, device=device) if fuse_param else None
-    grad_storage = torch.zeros(size, dtype=torch.float32 if use_main_grad else dtype, device=device)
+    grad_storage = torch.zeros(size, dtype=_grad_dtype(params[0], use_main_grad), device=device)
     for p in params:
         offset = param2offset[p]
         if fuse_param:
@@ -149,13 +151,13 @@ class HOOK_ACTION:
     REDUCE_SCATTER = 2  # sharding v2 (split_param): each rank gets the sum of its shard
 
 
-def global_rank(group, group_rank):
+def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     """Global rank of `group_rank` within `group` (None = WORLD): Paddle's `group.ranks[i]`."""
     world = group is None or group is dist.group.WORLD
     return group_rank if world else dist.get_global_rank(group, group_rank)
 
 
-def comm_device(params, group):
+def comm_device(params: Iterable, group: dist.ProcessGroup | None) -> torch.device:
     """The device for a rank's small collectives: its params', else NCCL's current GPU, or CPU."""
     for p in params:
         return p.device
@@ -164,31 +166,31 @@ def comm_device(params, group):
 
 
 @torch.no_grad()
-def broadcast_each(tensors, group=None, src=None) -> None:
-    """Broadcast each tensor in place from `src` (a global rank; default: the group's first)."""
-    src = global_rank(group, 0) if src is None else src
-    works = []
-    for tensor in tensors:
+def broadcast_each(tensors: Iterable, group: dist.ProcessGroup | None = None,
+                   srcs: list | None = None) -> None:
+    """Broadcast each tensor in place from its global rank in `srcs` (default: group rank 0)."""
+    tensors = list(tensors)
+    works, srcs = [], srcs or [global_rank(group, 0)] * len(tensors)
+    for tensor, src in zip(tensors, srcs):
         works.append(dist.broadcast(tensor.detach(), src, group=group, async_op=True))
     for work in works:
         work.wait()
 
 
-def broadcast_buffers(module: torch.nn.Module, group=None) -> None:
+def broadcast_buffers(module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """DDP's `broadcast_buffers=True`: `module`'s buffers (BatchNorm's running stats) from the
-    first rank of `group` (None = WORLD), in place. Call it where DDP broadcasts them: before
-    each step's first forward, and before an eval pass."""
+    first rank of `group`, in place; call it before each step's first forward and an eval."""
     broadcast_each(module.buffers(), group)
 
 
-def main_grad_or_grad(param):
+def main_grad_or_grad(param: torch.Tensor) -> torch.Tensor | None:
     """The grad an optimizer reads: `param.main_grad` when set (fp32), else `param.grad`."""
     main_grad = getattr(param, "main_grad", None)
     return main_grad if main_grad is not None else param.grad
 
 
 @torch.no_grad()
-def densify_grads(params):
+def densify_grads(params: list) -> None:
     """Make each sparse `main_grad` / `grad` its dense sum (c10d has no sparse collectives)."""
     for p in params:
         for name in ("main_grad", "grad"):
@@ -197,13 +199,13 @@ def densify_grads(params):
                 setattr(p, name, torch.zeros(g.shape, dtype=g.dtype, device=g.device).add_(g))
 
 
-def sums_in_16_bits(dtype):
+def sums_in_16_bits(dtype: torch.dtype) -> bool:
     """bf16 / fp16 sums divide by the ranks first (differs from the seed: a 16-bit sum can
     overflow where the mean fits, fp16 40000 + 30000 = inf; as DDP, and Paddle's later AVG)."""
     return dtype.is_floating_point and dtype.itemsize < 4
 
 
-def assign_group_by_size(params, group_size=128 * 1024 * 1024):
+def assign_group_by_size(params: list, group_size: int = 128 * 1024 * 1024) -> OrderedDict:
     """Paddle's: `params` in order into one-dtype buckets of >= `group_size` bytes."""
     if group_size <= 0:
         raise ValueError(f"group_size must be > 0 bytes, got {group_size}")
@@ -214,17 +216,19 @@ def assign_group_by_size(params, group_size=128 * 1024 * 1024):
         bucket[1] += p.numel() * p.element_size()
         if bucket[1] >= group_size:
             closed.append(open_buckets.pop(p.dtype)[0])
-    closed = sorted(closed + [indices for indices, _ in open_buckets.values()])
-    return OrderedDict((k, [params[i] for i in idx]) for k, idx in enumerate(closed))
+    buckets = OrderedDict()
+    for k, indices in enumerate(sorted(closed + [i for i, _ in open_buckets.values()])):
+        buckets[k] = [params[i] for i in indices]
+    return buckets
 
 
-def bw_hook_func(buffer: "FusedCommBuffer", param: torch.Tensor):
+def bw_hook_func(buffer: "FusedCommBuffer", param: torch.Tensor) -> Callable:
     """A post-accumulate grad hook calling `buffer.add_grad(param)` (Paddle's), holding the
     buffer weakly (torch never frees a cycle through a tensor's hooks)."""
     return weak_hook(lambda owner, p: owner.add_grad(p), buffer)
 
 
-def first_few(names, shown=3):
+def first_few(names: list, shown: int = 3) -> str | None:
     """`names` joined, the first `shown` only ("and N more"); None if there are none."""
     if not names:
         return None
@@ -232,7 +236,7 @@ def first_few(names, shown=3):
     return ", ".join(names[:shown]) + more
 
 
-def weak_hook(call, *owners):
+def weak_hook(call: Callable, *owners: object) -> Callable:
     """A no-grad `hook(param)` calling `call(*owners, param)` through weak references."""
     refs = [weakref.ref(owner) for owner in owners]
 
@@ -254,20 +258,21 @@ _ROUNDS = Counter()  # (kind, ranks) -> store rounds this process ran (keys must
 _TIMEOUT_WORDS = re.compile(r"time[ds]?[ _-]?out|timing out|deadline exceeded", re.IGNORECASE)
 
 
-def agree(groups, problems=(), same=(), flags=(), device=None, timeout=None, via_store=False,
-          title=None) -> list:
-    """Agree over every rank of `groups` (in turn; None = WORLD); `flags` returned OR-ed.
+def agree(groups: list, problems: list | tuple = (), same: list | tuple = (),
+          flags: list | tuple = (), device: torch.device | None = None,
+          timeout: datetime.timedelta | None = None, via_store: bool = False,
+          title: str | None = None) -> list:
+    """Beyond Paddle: agree over every rank of `groups` (in turn; None = WORLD); `flags` OR-ed.
 
-    `problems`: `[(rule, detail)]`, detail what this rank saw or None. `same`: `[(name, value)]`
-    equal wherever given (None: no value; a dict: each item). One MAX all-reduce of a word per
-    problem and flag and a digest with its complement per value; only if something is flagged
-    every rank gathers the details and raises the same ValueError. `timeout`: TimeoutError
-    naming `.absent` ranks. `via_store`: the store instead of a collective. Beyond Paddle.
+    `problems`: `[(rule, detail)]`, detail what this rank saw or None; `same`: `[(name, value)]`,
+    equal wherever not None (a dict: each item). One MAX all-reduce (`via_store`: the store);
+    if anything is flagged every rank gathers the details and raises the same ValueError.
+    `timeout`: TimeoutError naming `.absent` ranks.
     """
-    mine = (dist.get_rank(), [None if d is None else (rule, d) for rule, d in problems], dict(same))
+    mine = (dist.get_rank(), list(problems), dict(same))
     if via_store:
         seen = _gather(mine, groups, via_store=True)
-        details = [d for _, ds, _ in seen for d in ds]
+        details = [d for _, ds, _ in seen for _, d in ds]
         if any(d is not None for d in details) or len({repr(vs) for _, _, vs in seen}) > 1:
             raise ValueError(_disagreement(problems, seen, title))
         return []
@@ -347,7 +352,7 @@ def _disagreement(problems, seen, title=None):
     """The text every rank raises: each rule seen (where, what), each value that differs."""
     texts = []
     for i in range(len(problems)):  # each rule's text as the ranks that saw it sent it
-        where = [(r, ds[i]) for r, ds, _ in seen if ds[i] is not None]
+        where = [(r, ds[i]) for r, ds, _ in seen if ds[i][1] is not None]
         if where:
             shown = "; ".join(f"global rank {r}: {d}" for r, (_, d) in where[:4])
             texts.append(f"{where[0][1][0]} (seen on {len(where)} rank(s): {shown})")
@@ -369,11 +374,14 @@ def _disagreement(problems, seen, title=None):
 def _items(values):  # a dict value stands for each of its items
     items = {}
     for name, value in values.items():
-        items.update(value if isinstance(value, dict) else {name: value})
+        if isinstance(value, dict):
+            items.update(value)
+        else:
+            items[name] = value
     return items
 
 
-def is_timeout_error(error):
+def is_timeout_error(error: BaseException) -> bool:
     """True if `error` reports a timeout (gloo's "Timed out", NCCL's "timing out")."""
     return isinstance(error, (RuntimeError, TimeoutError)) and bool(
         _TIMEOUT_WORDS.search(str(error)))
@@ -389,51 +397,48 @@ IN_FLIGHT_RULE = ("a grad changed in place while its bucket's collective was in 
                   "or grad.mul_() before the wait): change grads after scale_grads(), or use "
                   "opt.clip_grad_norm_(max_norm) (torch's schedules: scale_grads=False); clear it")
 _ADDRESS_MSG = ("The address of the grad/main_grad of {name} changed between two micro-batches "
-                "of a step: within a step it must stay its slot's view (change grads in place; "
-                "one param in two model chunks of a stage gets two slots)")
+                "of a step: change grads in place (one param in two buckets gets two slots)")
 
 
 class FusedCommBuffer:
     """One bucket's fused grad buffer and its collective (Paddle's `FusedCommBuffer`).
 
-    `params`: trainable, one dtype; `comm_group`: None = WORLD; `acc_steps`: the micro-batches
-    of a step; `act`: HOOK_ACTION; `dst`: REDUCE's owner, a global rank. `grad_storage`: 1-D,
-    `buffer_size` elements, None while released. A step: `acc_steps` backwards through
-    `bw_hook_func` hooks, `scale_grads()`, the optimizer step, then zero the grads (release off)
-    or drop them and `release()`.
+    `params`: trainable, one dtype; `acc_steps`: micro-batches per step; `dst`: REDUCE's owner
+    (a global rank). `grad_storage`: 1-D, `buffer_size` elements, None while released. A step:
+    `acc_steps` backwards through `bw_hook_func` hooks, `scale_grads()`, the optimizer step,
+    then zero the grads (release off) or drop them and `release()`.
     """
 
-    def __init__(self, id, params, comm_group, acc_steps=1, act=None, dst=-1,
-                 use_main_grad=None, fuse_param=False, release_grads=False):
+    def __init__(self, id: int, params: Iterable, comm_group: dist.ProcessGroup | None,
+                 acc_steps: int = 1, act: int | None = None, dst: int = -1,
+                 use_main_grad: bool | None = None, fuse_param: bool = False,
+                 release_grads: bool = False) -> None:
         # Seed hunk (reconstructed, point 5): fuse_param with release is refused (an assert)
         if fuse_param and release_grads:
             raise ValueError("FusedCommBuffer: fuse_param=True and release_grads=True cannot be "
                              "used together (as in Paddle)")
 
         params = list(params)
-        if problem := _bad_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param,
-                                       use_main_grad):  # beyond Paddle's asserts (skippable)
-            raise ValueError(f"FusedCommBuffer: {problem}")
+        _check_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param,
+                           use_main_grad)  # beyond Paddle's asserts (skippable)
         self._id, self._params, self._acc_steps = id, params, acc_steps
         self._index = {p: i for i, p in enumerate(params)}
         self._comm_group, self._nranks = comm_group, dist.get_world_size(comm_group)
-        self._act, self._dst = act, dst
-        self._fuse_param, self._release_grads = fuse_param, release_grads
+        self._act, self._dst, self._release_grads = act, dst, release_grads
         self.use_main_grad = (use_main_grad if use_main_grad is not None
                               else hasattr(params[0], "main_grad"))
-        self._dtype = torch.float32 if self.use_main_grad else params[0].dtype
+        self._dtype = _grad_dtype(params[0], self.use_main_grad)
         self._reset_params_checked_in()
-        with torch.no_grad():
-            if act != HOOK_ACTION.REDUCE_SCATTER:
-                (self.param_storage, self.grad_storage, self.buffer_size,
-                 self.param2offset) = flatten_dense_tensors(
-                    params, self.use_main_grad, fuse_param, release_grads)
-            else:
-                (self._sharding_param_grad_view, self.buffer_size, self.param_storage,
-                 self.grad_storage) = build_reduce_scatter_buffer(
-                    params, self._nranks, dist.get_rank(comm_group), self.use_main_grad,
-                    release_grads)
-                params[0].comm_buffer_ref = weakref.ref(self)  # how v2 finds the pipeline's
+        if act != HOOK_ACTION.REDUCE_SCATTER:
+            (self.param_storage, self.grad_storage, self.buffer_size,
+             self.param2offset) = flatten_dense_tensors(
+                params, self.use_main_grad, fuse_param, release_grads)
+        else:
+            (self._sharding_param_grad_view, self.buffer_size, self.param_storage,
+             self.grad_storage) = build_reduce_scatter_buffer(
+                params, self._nranks, dist.get_rank(comm_group), self.use_main_grad,
+                release_grads)
+            params[0].comm_buffer_ref = weakref.ref(self)  # how v2 finds the pipeline's
         # Seed hunk (reconstructed, point 1): with release there are no grads, so no addresses
         if not release_grads:
             self._record_addr()
@@ -444,8 +449,8 @@ class FusedCommBuffer:
 
     @torch.no_grad()
     def _agree_on_layout(self):
-        """Every rank of comm_group built this bucket alike (each param's shape and dtype); an
-        ALL_REDUCE bucket's params then start from the group's first rank, as DDP's."""
+        """Every rank of comm_group built this bucket alike (shapes, dtypes); an ALL_REDUCE
+        bucket's params then start from the group's first rank, as DDP's."""
         shapes = {}
         for i, p in enumerate(self._params):
             shapes[f"param #{i} (shape, dtype)"] = (tuple(p.shape), str(p.dtype))
@@ -461,8 +466,6 @@ class FusedCommBuffer:
     params = property(lambda self: self._params)  # in buffer order
     id = property(lambda self: self._id)
     acc_steps = property(lambda self: self._acc_steps)  # check-ins per param and step
-    release_grads = property(lambda self: self._release_grads)
-    allocated = property(lambda self: self.grad_storage is not None)  # the buffer holds memory
     in_flight = property(lambda self: self._task is not None)  # issued, not yet waited for
     complete = property(lambda self: self._all_params_checked_in)  # all in acc_steps times
     fresh = property(lambda self: self._params_checked_in == 0  # no check-in since the reset
@@ -473,11 +476,11 @@ class FusedCommBuffer:
         """The params not yet in `acc_steps` times, and how often each checked in."""
         return dict(self._params_step_dict)
 
-    def accepts(self, param) -> bool:
+    def accepts(self, param: torch.Tensor) -> bool:
         """True if `param` may check in now (not yet complete, its bucket not in flight)."""
         return self._task is None and param in self._params_step_dict
 
-    def name(self, param) -> str:
+    def name(self, param: torch.Tensor) -> str:
         """How messages name `param`: its index and shape in this bucket."""
         return (f"param #{self._index[param]} of bucket {self._id} "
                 f"(shape {tuple(param.shape)}, {param.dtype})")
@@ -498,7 +501,7 @@ class FusedCommBuffer:
         return (self._params_checked_in == len(self._params)
                 and len(self._params_step_dict) == 0)
 
-    def add_grad(self, param, use_comm=True):
+    def add_grad(self, param: torch.Tensor, use_comm: bool = True) -> None:
         """Check `param` in for this micro-batch; issue the collective once all are in."""
         self._check_check_in(param)  # beyond Paddle (skippable): raises on a misuse
         if not self._release_grads and self._params_step_dict[param] == 0:
@@ -518,12 +521,12 @@ class FusedCommBuffer:
     def _check_check_in(self, param):
         """Beyond Paddle: a misplaced check-in, hooks out of order, unreleased buffer, address."""
         if param not in self._params_step_dict:
-            what = self.name(param) if param in self._index else (
-                f"a param of shape {tuple(param.shape)}")
-            raise ValueError(f"add_grad: {what} is not in bucket {self._id}, or checked in "
-                             f"more than acc_steps={self._acc_steps} times this step: acc_steps "
-                             "is the number of micro-batches (backward passes) per step; end "
-                             "each step with scale_grads()")
+            what = f"a param of shape {tuple(param.shape)}"
+            if param in self._index:
+                what = self.name(param)
+            raise ValueError(f"add_grad: {what} is not in bucket {self._id}, or checked in more "
+                             f"than acc_steps={self._acc_steps} times this step (acc_steps: the "
+                             "micro-batches per step; end each step with scale_grads())")
         if self.use_main_grad and param.grad is not None:
             raise ValueError(f"add_grad: {self.name(param)} still has its low-precision grad: "
                              "register_main_grad_hooks before the buffer's hooks")
@@ -537,7 +540,7 @@ class FusedCommBuffer:
                 raise ValueError(_ADDRESS_MSG.format(name=self.name(param)))
 
     @torch.no_grad()
-    def relink_grad(self, param) -> None:
+    def relink_grad(self, param: torch.Tensor) -> None:
         """Release off: a grad that is not its slot's view (`zero_grad()` set it to None, then
         backward made a new one) is added into its zeroed slot, as DDP copies it in."""
         slot, grad = self._slot(param), _grad_of(param, self.use_main_grad)
@@ -579,7 +582,7 @@ class FusedCommBuffer:
         _drop_aliasing_grads(self._params, self.use_main_grad, self._drop_grad_storage())
         self._reset_params_checked_in()
 
-    def release(self):  # `_clear_grad_storage()` under a public name
+    def release(self) -> None:  # `_clear_grad_storage()` under a public name
         self._clear_grad_storage()
 
     def _drop_grad_storage(self):
@@ -590,7 +593,7 @@ class FusedCommBuffer:
                 view._reset_grad_buffer()
         return storage
 
-    def comm_grads(self):  # issue the collective (RuntimeError unless every param is in)
+    def comm_grads(self) -> None:  # issue the collective (RuntimeError unless every param is in)
         if not self._all_params_checked_in:
             raise RuntimeError(f"bucket {self._id}: not all params checked in: "
                                f"{self._check_in_status()}")
@@ -636,17 +639,17 @@ class FusedCommBuffer:
         return buffer[rank * shard : (rank + 1) * shard]
 
     @torch.no_grad()
-    def scale_grads(self, agree_in_flight=True):
-        """Wait, scale by 1/nranks what this rank reads, reset the check-ins. `agree_in_flight`
+    def scale_grads(self, agree_in_flight: bool = True) -> None:
+        """Wait, scale by 1/nranks what this rank reads, reset the check-ins; `agree_in_flight`
         (beyond Paddle): raise on every rank if some grad changed while in flight."""
         if self._task is None:
             raise RuntimeError(f"bucket {self._id}: no collective in flight, nothing to wait for:"
                                f" {self._check_in_status()} (a param without grads never checks"
                                " in; or scale_grads() ran already)")
+        changed = "changed in flight" if self.changed_in_flight() else None
         try:
             if agree_in_flight:
-                agree([self._comm_group], [(IN_FLIGHT_RULE, "changed in flight" if
-                                            self.changed_in_flight() else None)],
+                agree([self._comm_group], [(IN_FLIGHT_RULE, changed)],
                       device=self._params[0].device)
         except ValueError:
             self.settle()
@@ -655,7 +658,7 @@ class FusedCommBuffer:
         self._reset_params_checked_in()
 
     def settle(self) -> None:
-        """Beyond Paddle: wait for the collective without scaling and reset the check-ins (a
+        """Beyond Paddle: wait for the collective without scaling, reset the check-ins (a
         refused step, whose grads are dropped next)."""
         if self._task is not None:
             self._task.wait()
@@ -673,22 +676,18 @@ class FusedCommBuffer:
         return self._act != HOOK_ACTION.REDUCE or dist.get_rank() == self._dst
 
     @torch.no_grad()
-    def assign_slice_grad(self, param, slice_param):  # REDUCE_SCATTER: this rank's piece
-        self._sharding_param_grad_view[param].assign_slice_grad(slice_param)
+    def assign_slice_grad(self, param: torch.Tensor, slice_param: torch.Tensor) -> None:
+        self._sharding_param_grad_view[param].assign_slice_grad(slice_param)  # REDUCE_SCATTER
 
     @torch.no_grad()
-    def sync_params(self):
+    def sync_params(self) -> None:
         """REDUCE_SCATTER: all-gather the shards of `param_storage` (gloo: a broadcast each)."""
-        full, group = self.param_storage, self._comm_group
+        full, group, n = self.param_storage, self._comm_group, self._nranks
         if not _stages_full_copies(group, full):
-            _all_gather(full, self._local_shard(full), group)
-            return
-        shard, works = full.numel() // self._nranks, []
-        for r in range(self._nranks):
-            piece = full[r * shard : (r + 1) * shard]
-            works.append(dist.broadcast(piece, global_rank(group, r), group=group, async_op=True))
-        for work in works:
-            work.wait()
+            return _all_gather(full, self._local_shard(full), group)
+        shard = full.numel() // n
+        pieces = [full[r * shard : (r + 1) * shard] for r in range(n)]
+        broadcast_each(pieces, group, [global_rank(group, r) for r in range(n)])
 
 
 @torch.no_grad()
@@ -696,7 +695,7 @@ def _fill_grad(param, use_main_grad):
     """Beyond Paddle: a sparse grad made dense; a missing one zeros (as release off's slot)."""
     densify_grads([param])
     if _grad_of(param, use_main_grad) is None:
-        dtype = torch.float32 if use_main_grad else param.dtype
+        dtype = _grad_dtype(param, use_main_grad)
         _set_grad(param, use_main_grad, torch.zeros(param.shape, device=param.device, dtype=dtype))
 
 
@@ -710,29 +709,35 @@ def _drop_aliasing_grads(params, use_main_grad, storage):
                 _set_grad(p, use_main_grad, None)
 
 
-def _bad_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param, use_main_grad):
-    """What else is wrong with FusedCommBuffer's arguments, or None (beyond Paddle's asserts)."""
-    acts = (HOOK_ACTION.ALL_REDUCE, HOOK_ACTION.REDUCE, HOOK_ACTION.REDUCE_SCATTER)
+def _check_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param, use_main_grad):
+    """Beyond Paddle's asserts: ValueError naming what is wrong with FusedCommBuffer's args."""
+    ranks = dist.get_process_group_ranks(comm_group or dist.group.WORLD)
+    dtypes = sorted({str(p.dtype) for p in params})
     without = [i for i, p in enumerate(params) if not hasattr(p, "main_grad")]
     frozen = [i for i, p in enumerate(params) if not p.requires_grad]
-    ranks = dist.get_process_group_ranks(comm_group or dist.group.WORLD)
-    return next((text for bad, text in [
-        (not params, "needs at least one param; got an empty list (skip empty buckets)"),
-        (len({p.dtype for p in params}) > 1, "a bucket holds one dtype, got "
-         f"{sorted({str(p.dtype) for p in params})}; split it with assign_group_by_size"),
-        (act not in acts, f"act must be HOOK_ACTION.ALL_REDUCE, REDUCE or REDUCE_SCATTER: {act!r}"),
-        (act != HOOK_ACTION.REDUCE and dst != -1, f"dst={dst} is only meaningful with act=REDUCE"),
-        (dist.get_rank() not in ranks, f"this rank ({dist.get_rank()}) is not in comm_group "
-         f"{ranks}: pass a group it belongs to"),
-        (act == HOOK_ACTION.REDUCE and dst not in ranks, f"act=REDUCE needs dst, the owner's "
-         f"global rank in comm_group, one of {ranks}; got {dst}"),
-        (fuse_param and act == HOOK_ACTION.REDUCE_SCATTER, "fuse_param: not with REDUCE_SCATTER"),
-        (not isinstance(acc_steps, int) or acc_steps < 1, f"acc_steps must be an int >= 1 "
-         f"(micro-batches), got {acc_steps!r}"),
-        (bool(frozen), f"params #{frozen} do not require grad; leave frozen params out"),
-        (use_main_grad is None and 0 < len(without) < len(params), f"params #{without} have "
-         "no main_grad while others do: register_main_grad_hooks on all before building")]
-        if bad), None)
+    problem = None
+    if not params:
+        problem = "needs at least one param; got an empty list (skip empty buckets)"
+    elif len(dtypes) > 1:
+        problem = f"a bucket holds one dtype, got {dtypes}; split it with assign_group_by_size"
+    elif act not in (HOOK_ACTION.ALL_REDUCE, HOOK_ACTION.REDUCE, HOOK_ACTION.REDUCE_SCATTER):
+        problem = f"act must be HOOK_ACTION.ALL_REDUCE, REDUCE or REDUCE_SCATTER: {act!r}"
+    elif act != HOOK_ACTION.REDUCE and dst != -1:
+        problem = f"dst={dst} is only meaningful with act=REDUCE"
+    elif dist.get_rank() not in ranks:
+        problem = f"this rank ({dist.get_rank()}) is not in comm_group {ranks}: pass its group"
+    elif act == HOOK_ACTION.REDUCE and dst not in ranks:
+        problem = f"act=REDUCE needs dst, the owner's global rank in comm_group {ranks}; got {dst}"
+    elif fuse_param and act == HOOK_ACTION.REDUCE_SCATTER:
+        problem = "fuse_param: not with REDUCE_SCATTER"
+    elif not isinstance(acc_steps, int) or acc_steps < 1:
+        problem = f"acc_steps must be an int >= 1 (micro-batches), got {acc_steps!r}"
+    elif frozen:
+        problem = f"params #{frozen} do not require grad; leave frozen params out"
+    elif use_main_grad is None and 0 < len(without) < len(params):
+        problem = f"params #{without} have no main_grad while others do: register_main_grad_hooks"
+    if problem is not None:
+        raise ValueError(f"FusedCommBuffer: {problem}")
 
 
 def _stages_full_copies(group, tensor):

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import types
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,15 +25,16 @@ from comm_buffer import (HOOK_ACTION, IN_FLIGHT_RULE, FusedCommBuffer, _fill_gra
                          _share_param_buffer, agree, assign_group_by_size, broadcast_each,
                          comm_device, densify_grads, first_few, global_rank,
                          main_grad_or_grad as _grad, sums_in_16_bits, weak_hook)
-from relgrad import (GradMarks, MixPrecisionOptimizer, Phase, _hyper, _template_state_rule,
-                     _Wrapper, carries_state, check_current_device, clear_grad_func, new_params,
-                     norm_groups, sharding_config_problem)
+from relgrad import (GradMarks, HybridCommunicateGroup, HybridStrategy, MixPrecisionOptimizer,
+                     Phase, _hyper, _template_state_rule, _Wrapper, carries_state,
+                     check_current_device, clear_grad_func, new_params, norm_groups,
+                     sharding_config_problem)
 
 
 # ---- Helpers: the dp sync, hyper-parameters, the extras folder ----
 
 @torch.no_grad()
-def all_reduce_mean(grads: list, group) -> None:
+def all_reduce_mean(grads: list, group: dist.ProcessGroup | None) -> None:
     """Paddle's `fused_allreduce_gradients`, unfused: the mean over `group`, in place."""
     scale, works = 1.0 / dist.get_world_size(group), []
     for g in grads:
@@ -46,11 +49,10 @@ def all_reduce_mean(grads: list, group) -> None:
 
 
 @torch.no_grad()
-def agreed_all_reduce_mean(params: list, group, device, param_groups, here: list,
-                           reduce: bool = True) -> list:
-    """The dp sync, hyper-parameters agreed; `here`: written on this rank, per param (a grad
-    written elsewhere only is zeros here, as DDP's); `reduce=False`: agree only. Returns: written
-    on some rank."""
+def agreed_all_reduce_mean(params: list, group: dist.ProcessGroup | None, device: torch.device,
+                           param_groups: list, here: list, reduce: bool = True) -> list:
+    """The dp sync, hyper-parameters agreed. `here`, per param: written on this rank (zeros
+    where only others wrote, as DDP); `reduce=False`: agree only. Returns: written anywhere."""
     if not params:
         return []
     densify_grads(params)
@@ -70,7 +72,7 @@ def fill_missing_grads(params: list, anywhere: list, here: list) -> None:
             _fill_grad(p, hasattr(p, "main_grad"))
 
 
-def hyper_parameters(param_groups) -> dict:
+def hyper_parameters(param_groups: list) -> dict:
     """The numbers, bools and tuples of numbers in `param_groups`, by name (`agree`'s)."""
     found = {}
     for i, group in enumerate(param_groups):
@@ -82,7 +84,7 @@ def hyper_parameters(param_groups) -> dict:
     return found
 
 
-def extras(module: str, what: str):
+def extras(module: str, what: str) -> types.ModuleType:
     """`relgrad_extras.<module>`, for `what`; ImportError naming the folder if absent."""
     try:
         return importlib.import_module(f"relgrad_extras.{module}")
@@ -104,8 +106,7 @@ def plug_free_in_comm(buffers: list, free_grads_in_comm: bool) -> None:
 
 INCOMPLETE_RULE = ("a bucket was not complete after accumulate_steps={acc} backward passes: each "
                    "trainable param needs a grad in each, on every rank (an unused branch, or a "
-                   "reentrant torch.utils.checkpoint whose input needs no grad: pass "
-                   "use_reentrant=False); clear this step")
+                   "reentrant checkpoint: use_reentrant=False); clear this step")
 
 
 class BucketScheduler:
@@ -114,7 +115,7 @@ class BucketScheduler:
     ones wait for the tie sum); `fire()` issues the rest with what they hold."""
 
     def __init__(self, fire_on_hook: bool = True) -> None:
-        self.buffers, self.fire_on_hook, self.held, self.closed = [], fire_on_hook, [], False
+        self.buffers, self.fire_on_hook, self.held = [], fire_on_hook, []
         self.reset()
 
     def reset(self) -> None:
@@ -124,13 +125,9 @@ class BucketScheduler:
         """Put `buffer` first in the order; its params' hooks check in here (weakly held)."""
         self.buffers.insert(0, buffer)
         for p in buffer.params:
-            p.register_post_accumulate_grad_hook(weak_hook(BucketScheduler.check_in, self, buffer))
+            p.register_post_accumulate_grad_hook(weak_hook(type(self).check_in, self, buffer))
 
-    def check_in(self, buffer: FusedCommBuffer, param) -> None:
-        if self.closed:  # between the optimizer's step() and its zero_grad()
-            raise ValueError(f"bucket {buffer.id}: a backward reached its params after step() and "
-                             "before zero_grad(): another model's loss reaches them (a GAN): "
-                             "requires_grad_(False) on them for it, or detach() the fake batch")
+    def check_in(self, buffer: FusedCommBuffer, param: torch.Tensor) -> None:
         if not buffer.accepts(param):
             self.extra[id(param)] += 1  # a backward pass beyond acc_steps: agreed at the step
             return
@@ -141,7 +138,7 @@ class BucketScheduler:
                 order[self._next].comm_grads()
             self._next += 1
 
-    def fire(self, buffers=None) -> None:
+    def fire(self, buffers: list | None = None) -> None:
         """Issue, in order, each of `buffers` (default all) not issued yet, with what it holds."""
         for buffer in self.buffers if buffers is None else buffers:
             if not buffer.in_flight:
@@ -164,29 +161,26 @@ class BucketScheduler:
             if len(buffer.check_ins()) < len(buffer.params):
                 done.append(acc)  # some param of it checked in acc_steps times
         most = acc + max(self.extra.values()) if self.extra else max(done + counts, default=0)
-        return most, min(counts, default=acc if done else 0)
+        return most, min(counts or done or [0])
 
-    def _short(self) -> str:
-        """The params that checked in fewer than acc_steps times, named."""
-        short = []
-        for buffer in self.buffers:
-            for param, count in buffer.check_ins().items():
-                short.append(f"{buffer.name(param)}: {count} of {buffer.acc_steps}")
-        return f"; short: {first_few(short)}" if short else ""
-
-    def wait_and_agree(self, groups: list, device) -> None:
+    def wait_and_agree(self, groups: list, device: torch.device) -> None:
         """After `fire()`: agree that every param checked in acc_steps times everywhere and no
         grad changed in flight, then wait and scale; else every rank settles and raises."""
         acc = self.buffers[0].acc_steps if self.buffers else None
         most, fewest = self.passes()
         changed = [b.id for b in self.buffers if b.changed_in_flight()]
-        short = None
+        flying = f"buckets {changed}" if changed else None
+        short = []  # the params that checked in fewer than acc_steps times
+        for buffer in self.buffers:
+            for param, count in buffer.check_ins().items():
+                short.append(f"{buffer.name(param)}: {count} of {buffer.acc_steps}")
+        missing = None
         if most != acc or fewest != acc:
-            short = f"{most} backward passes, the fewest for a param {fewest}{self._short()}"
+            missing = f"{most} backward passes, the fewest for a param {fewest}"
+            missing += f"; short: {first_few(short)}" if short else ""
         passes = (most, fewest) if self.buffers else None  # None: no opinion (no buckets)
         try:
-            agree(groups, [(IN_FLIGHT_RULE, f"buckets {changed}" if changed else None),
-                           (INCOMPLETE_RULE.format(acc=acc), short)],
+            agree(groups, [(IN_FLIGHT_RULE, flying), (INCOMPLETE_RULE.format(acc=acc), missing)],
                   [("backward passes (most, fewest for a param)", passes)], device=device)
         except ValueError:
             self.settle()
@@ -206,9 +200,8 @@ UNSLOTTED_RULE = ("a param frozen when the fused buffers were built requires gra
                   "slot, so its grad would not be reduced; refreeze it, or build the optimizer "
                   "(and the pipeline) after unfreezing; clear this step")
 IN_PLACE_RULE = ("a grad changed in place between backward and step(), before step() reduces it "
-                 "(torch's clip_grad_norm_ on each rank's local grads): clip with "
-                 "opt.clip_grad_norm_(max_norm), or change grads after opt.finish_grad_sync(); "
-                 "clear this step")
+                 "(torch's clip_grad_norm_ on local grads): use opt.clip_grad_norm_(max_norm), "
+                 "or change grads after opt.finish_grad_sync(); clear this step")
 _DROPPED_RULE = ("did zero_grad() run between backward and step() on some rank, with no "
                  "backward after it? Its grads would count as zeros: clear grads after step()")
 
@@ -253,9 +246,13 @@ class _Sharding(_Wrapper):
         self._grad_clip = _check_grad_clip(grad_clip)
         self._phase, self._marks = Phase.IDLE, GradMarks(self._parameter_list)
 
-    @property
-    def comm_buffers(self) -> list:  # its own FusedCommBuffers, or (v2 under pp) the pipeline's
-        return list(self._comm_buffer_list if self._is_v2 else self._comm_buffers)
+    def _wrap(self, optimizer, targets: dict) -> None:
+        """The inner optimizer, over what this rank steps of each param (`targets`), per group."""
+        groups = []
+        for group in optimizer.param_groups:
+            groups.append([targets[p] for p in group["params"] if p in targets])
+        self._inner_opt = MixPrecisionOptimizer(optimizer, groups)
+        self._expose(self._inner_opt)
 
     def _flag_groups(self) -> list:  # the ranks that hold the same params
         if self._hcg.get_data_parallel_world_size() > 1:
@@ -268,12 +265,10 @@ class _Sharding(_Wrapper):
     def _agree_on_setup(self, optimizer, strategy, grad_clip) -> None:
         """Every rank builds alike: class, config, torch optimizer, hyper-parameters, params."""
         sc, pc = strategy.hybrid_configs["sharding_configs"], strategy.hybrid_configs["pp_configs"]
-        name = type(self).__name__
-        wrong_class = None
+        name, wrong_class, stateful = type(self).__name__, None, None
         if bool(sc.split_param) != self._is_v2:
             use = "DygraphShardingOptimizerV2" if sc.split_param else "DygraphShardingOptimizer"
             wrong_class = f"split_param={sc.split_param} selects {use}, {name} was built"
-        stateful = None
         if carries_state(optimizer):
             stateful = f"{len(optimizer.state)} param(s) with state"
         same = [("class", name), ("sharding_configs", vars(sc)), ("pp_configs", vars(pc)),
@@ -297,8 +292,6 @@ class _Sharding(_Wrapper):
     def _finish_clear(self, error=None) -> None:
         """At a clear: nothing written since; `error` raised."""
         self._marks.clear()
-        if self._overlap is not None:
-            self._overlap.scheduler.closed = False
         if error is not None:
             raise error
 
@@ -341,16 +334,17 @@ class _Sharding(_Wrapper):
         return [f"param #{index[id(p)]} (shape {tuple(p.shape)}, {p.dtype})" for p in params]
 
     def _misuse_rules(self) -> list:
-        """Beyond Paddle, own overlap: a param trainable now without a slot in its buffers."""
+        """Beyond Paddle: a param trainable now without a slot in the fused buffers (v2, or
+        sharding's own overlap)."""
         slotted = {id(p) for buffer in self.comm_buffers for p in buffer.params}
         unslotted = []
-        for p in self._parameter_list:
-            if self._overlap is not None and p.requires_grad and id(p) not in slotted:
+        for p in self._parameter_list if self._overlap is not None or self._is_v2 else ():
+            if p.requires_grad and id(p) not in slotted:
                 unslotted.append(p)
         return [(UNSLOTTED_RULE, first_few(self._named(unslotted)))]
 
     @torch.no_grad()
-    def step(self, closure=None) -> None:
+    def step(self, closure: Callable | None = None) -> None:
         """Agree, reduce, dp all-reduce (unless finish_grad_sync ran), clip, step, broadcast."""
         try:
             self._check_step_args(closure)
@@ -366,13 +360,11 @@ class _Sharding(_Wrapper):
 
     @torch.optim.Optimizer.profile_hook_step
     def _update(self) -> None:
-        """torch's step pre-hooks (they see the reduced grads), clip, step, broadcast, post-hooks."""
+        """torch's step pre-hooks (seeing the reduced grads), clip, step, broadcast, post-hooks."""
         if self._grad_clip is not None:  # Paddle's: on the reduced grads this rank steps
             self._grad_clip(self._clip_pairs(), norm_groups(self._hcg), self._flags_device())
         self._inner_opt.step()
-        self._phase = Phase.STEPPED
-        if self._overlap is not None:
-            self._overlap.scheduler.closed = True  # until zero_grad(): a GAN's other backward
+        self._phase = Phase.STEPPED  # until zero_grad() (own overlap: a GAN's backward raises)
         self._sync_params()
 
     @torch.no_grad()
@@ -393,23 +385,22 @@ class _Sharding(_Wrapper):
         self._phase = Phase.REDUCED
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
+                        error_if_nonfinite: bool = False, foreach: bool | None = None
+                        ) -> torch.Tensor:
         """torch's `clip_grad_norm_` on the optimizer (as FSDP's): step()'s first half, then the
         reduced grads clipped by the global L2 norm; returns it (relgrad_extras.grad_clip)."""
         clip = extras("grad_clip", "opt.clip_grad_norm_")
         return clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     def _settle_for_clear(self):
-        """Beyond Paddle: `_agree_on_call` if no step since the last clear; returns its error."""
+        """Beyond Paddle: own overlap settles (its error returned); the step's phase."""
         error = None
-        if self._overlap is not None:
+        if self._overlap is not None:  # FAILED on error: the next clear needs no store round
             error = self._overlap.settle_for_clear()
-        if error is not None:  # every rank settled: the next clear needs no store round
-            self._phase = Phase.FAILED
-            return error
-        dropped = self._phase in (Phase.IDLE, Phase.DROPPED) and any(self._marks.written())
-        self._phase = Phase.DROPPED if dropped else Phase.IDLE
-        return None
+        if error is None:
+            dropped = self._phase in (Phase.IDLE, Phase.DROPPED) and any(self._marks.written())
+            self._phase = Phase.DROPPED if dropped else Phase.IDLE
+        return error
 
     # ---- per-rank checkpoints (consolidated ones: relgrad_extras/checkpoint.py) ----
 
@@ -423,11 +414,11 @@ class _Sharding(_Wrapper):
         return {"version": 2 if self._is_v2 else 1, "sharding_degree": self._nranks,
                 "sharding_rank": self._rank, "shapes": shapes, **self._ownership()}
 
-    def consolidate_state_dict(self, to: int = 0):
+    def consolidate_state_dict(self, to: int = 0) -> dict | None:
         """torch ZeRO's: the whole state, one process's format, on rank `to` (relgrad_extras)."""
         return extras("checkpoint", "consolidate_state_dict").consolidate(self, to)
 
-    def load_state_dict(self, state_dict) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
         """This rank's `state_dict()` (same layout) or a consolidated / torch one; collective."""
         if not isinstance(state_dict, dict):  # None off rank `to`: raise on every rank
             self._load_local_state_dict(state_dict)
@@ -458,15 +449,13 @@ class DygraphShardingOptimizer(_Sharding):
     `_Sharding`; `_param2rank`: param -> owner. Without hooks, `step()` reduces each grad."""
 
     _is_v2 = False
+    comm_buffers = property(lambda self: list(self._comm_buffers))  # own overlap's (REDUCE)
 
-    def __init__(self, optimizer: torch.optim.Optimizer, hcg, strategy, grad_clip=None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, hcg: HybridCommunicateGroup,
+                 strategy: HybridStrategy, grad_clip: Callable | None = None) -> None:
         self._setup(optimizer, hcg, strategy, grad_clip)
         self._param2rank = self._partition_parameters()
-        owned = []
-        for group in optimizer.param_groups:
-            owned.append([p for p in group["params"] if self._param2rank[p] == self._rank])
-        self._inner_opt = MixPrecisionOptimizer(optimizer, owned)
-        self._expose(self._inner_opt)
+        self._wrap(optimizer, {p: p for p, r in self._param2rank.items() if r == self._rank})
         self._comm_buffers = []
         if self._overlap is not None:
             config = strategy.hybrid_configs["sharding_configs"]
@@ -492,7 +481,7 @@ class DygraphShardingOptimizer(_Sharding):
         self._comm_buffers = self._overlap.owner_buffers(acc_steps, group_size)
 
     @torch.no_grad()
-    def reduce_gradients(self, parameter_list: list, hcg) -> None:
+    def reduce_gradients(self, parameter_list: list, hcg: HybridCommunicateGroup) -> None:
         """Each grad (1/nranks) to its owner; nothing under pipeline overlap (as new_frl)."""
         if self.pp_overlap:
             return
@@ -539,12 +528,8 @@ class DygraphShardingOptimizer(_Sharding):
 
     def _sync_params(self) -> None:
         """Paddle's `_sharding_sync_parameters`: every param from its owner."""
-        works = []
-        for p in self._parameter_list:
-            src = global_rank(self._group, self._param2rank[p])
-            works.append(dist.broadcast(p.detach(), src=src, group=self._group, async_op=True))
-        for work in works:
-            work.wait()
+        owners = [global_rank(self._group, self._param2rank[p]) for p in self._parameter_list]
+        broadcast_each(self._parameter_list, self._group, owners)
 
     @torch.no_grad()
     def clear_grad(self, set_to_zero: bool = True) -> None:
@@ -574,26 +559,20 @@ _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.opti
 
 
 class DygraphShardingOptimizerV2(_Sharding):
-    """Sharding v2 (split_param): flat shards, reduce-scatter -> step slices -> all-gather.
-
-    Args as v1. Each param becomes a view of a flat padded buffer; the inner optimizer steps
-    `_slice_params[param]`, this rank's 1-D piece. The buffers are its own or, under pipeline
-    overlap, the pipeline's (`param.comm_buffer_ref`); without hooks `step()` copies grads in.
-    """
+    """Sharding v2 (split_param): flat shards, reduce-scatter -> step slices -> all-gather. Args
+    as v1; the inner optimizer steps `_slice_params[param]`, this rank's 1-D piece of the flat
+    padded buffer: its own or, under pipeline overlap, the pipeline's (`comm_buffer_ref`)."""
 
     _is_v2 = True
+    comm_buffers = property(lambda self: list(self._comm_buffer_list))  # (pp overlap) pipeline's
 
-    def __init__(self, optimizer: torch.optim.Optimizer, hcg, strategy, grad_clip=None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, hcg: HybridCommunicateGroup,
+                 strategy: HybridStrategy, grad_clip: Callable | None = None) -> None:
         self._setup(optimizer, hcg, strategy, grad_clip)
         _check_elementwise(optimizer)  # beyond Paddle: slices need an element-wise update
-        self._slice_params = {}
-        for p in self._parameter_list:
-            self._slice_params[p] = torch.nn.Parameter(p.new_empty(0), p.requires_grad)
-        slices = []
-        for group in optimizer.param_groups:
-            slices.append([self._slice_params[p] for p in group["params"]])
-        self._inner_opt = MixPrecisionOptimizer(optimizer, slices)
-        self._expose(self._inner_opt)
+        self._slice_params = {p: torch.nn.Parameter(p.new_empty(0), p.requires_grad)
+                              for p in self._parameter_list}
+        self._wrap(optimizer, self._slice_params)
         self._comm_buffer_list = []
         config = strategy.hybrid_configs["sharding_configs"]
         # [later] comm_buffer_size_MB: `_build_comm_buffers(acc_steps, size_MB * 1024 * 1024)`
@@ -659,7 +638,7 @@ class DygraphShardingOptimizerV2(_Sharding):
             extras("checkpoint", "a consolidated state").apply_pending(self)
 
     @torch.no_grad()
-    def reduce_gradients(self, parameter_list: list, hcg) -> None:
+    def reduce_gradients(self, parameter_list: list, hcg: HybridCommunicateGroup) -> None:
         """Reduce-scatter and scale every buffer (nothing under pipeline overlap: its hooks did)."""
         if self.pp_overlap:
             return
@@ -707,12 +686,11 @@ class DygraphShardingOptimizerV2(_Sharding):
             comm_buffer.sync_params()
 
     def _misuse_rules(self) -> list:
-        """Beyond Paddle: what changed behind v2's back (a param only re-homed is put back)."""
-        moved, main_grad, in_buffer = [], [], set()
+        """Beyond Paddle: also what changed behind v2's back (a param only re-homed is put back)."""
+        moved, main_grad = [], []
         for buf in self._comm_buffer_list:
             storage = buf.param_storage
             for p in buf.params:
-                in_buffer.add(p)
                 index = buf.grad_views[p]._index
                 if p.data_ptr() != storage.data_ptr() + index * storage.element_size():
                     if p.dtype == storage.dtype and p.device == storage.device:
@@ -721,14 +699,11 @@ class DygraphShardingOptimizerV2(_Sharding):
                         moved.append(p)
                 if buf.use_main_grad != hasattr(p, "main_grad"):
                     main_grad.append(p)
-        unfrozen = [p for p in self._parameter_list if p.requires_grad and p not in in_buffer]
-        return [("a param moved to another dtype or device since v2 was built (model.to(...)): "
-                 "build the optimizer after moving the model", first_few(self._named(moved))),
-                ("a param frozen when DygraphShardingOptimizerV2 was built requires grad now (it "
-                 "has no slot): refreeze it, or build the optimizer after unfreezing",
-                 first_few(self._named(unfrozen))),
-                ("a param's main_grad does not match its bucket: register_main_grad_hooks on "
-                 "every param before building", first_few(self._named(main_grad)))]
+        return super()._misuse_rules() + [
+            ("a param moved to another dtype or device since v2 was built (model.to(...)): "
+             "build the optimizer after moving the model", first_few(self._named(moved))),
+            ("a param's main_grad does not match its bucket: register_main_grad_hooks on every "
+             "param before building", first_few(self._named(main_grad)))]
 
     def _pieces(self) -> dict:
         """param -> this rank's piece `(offset, elements)` (None: none), over every bucket."""

@@ -24,11 +24,27 @@ _CALL_TITLE = ("under sharding_configs.comm_overlap every rank calls step() or z
                "this, then go on")
 
 
+class _Scheduler(BucketScheduler):
+    """The bucket scheduler of one sharding optimizer `opt`: a backward that reaches its params
+    between `opt.step()` and `opt.zero_grad()` raises (another model's loss, as a GAN's)."""
+
+    def __init__(self, opt) -> None:
+        super().__init__()
+        self.opt = opt
+
+    def check_in(self, buffer, param) -> None:
+        if self.opt._phase == Phase.STEPPED:
+            raise ValueError(f"bucket {buffer.id}: a backward reached its params after step() and "
+                             "before zero_grad(): another model's loss reaches them (a GAN): "
+                             "requires_grad_(False) on them for it, or detach() the fake batch")
+        super().check_in(buffer, param)
+
+
 class OwnOverlap:
     """The hooked buffers of one sharding optimizer `opt`, fired in one order (`scheduler`)."""
 
     def __init__(self, opt) -> None:
-        self.opt, self.scheduler = opt, BucketScheduler()
+        self.opt, self.scheduler = opt, _Scheduler(opt)
 
     def hook(self, buffers: list) -> None:
         """Paddle's `register_reduce_overlap_hook(use_comm=True)` on `buffers`."""
@@ -76,7 +92,8 @@ class OwnOverlap:
             raise
 
     def settle_for_clear(self):
-        """zero_grad(): `agree_on_call` unless the step ran; returns the error to raise."""
+        """zero_grad(): `agree_on_call` unless the step ran; returns the error to raise (the
+        phase then FAILED: every rank settled, so the next clear needs no store round)."""
         phase, error = self.opt._phase, None
         if phase == Phase.FAILED:  # refused alike on every rank: settle here, no store round
             self.scheduler.settle()
@@ -84,6 +101,6 @@ class OwnOverlap:
             try:
                 self.agree_on_call("zero_grad()")
             except ValueError as caught:
-                error = caught
+                error, self.opt._phase = caught, Phase.FAILED
         self.scheduler.reset()
         return error
