@@ -8,6 +8,7 @@ freed after the step). Beyond Paddle: one agreement opens a step; p2p waits time
 Ties, Paddle's clip, interleave: relgrad_extras/. Reference: Narayanan et al. (2021).
 """
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -15,19 +16,18 @@ from torch import nn
 
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, agree, assign_group_by_size, comm_device,
                          first_few, global_rank, is_timeout_error, main_grad_or_grad as _grad)
-from relgrad import (GradMarks, Phase, check_current_device, clear_grad_func, group_timeout,
-                     norm_groups)
-from sharding import (UNSLOTTED_RULE, BucketScheduler, _check_grad_clip, _comm_buffer_bytes,
-                      agreed_all_reduce_mean, extras, plug_free_in_comm)
+from relgrad import (GradMarks, HybridCommunicateGroup, HybridStrategy, Phase,
+                     check_current_device, clear_grad_func, group_timeout)
+from sharding import (UNSLOTTED_RULE, BucketScheduler, _comm_buffer_bytes, agreed_all_reduce_mean,
+                      extras, plug_free_in_comm)
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
 _ABANDONED = []  # p2p works that timed out: kept, the backend may still fill their buffers
 
 
-STEP_REFUSED_RULE = ("train_batch's step was refused on some rank, so on every rank: each dropped "
-                     "this step's grads and released its buffers; fix the cause, clear the grads "
-                     "and go on")
+STEP_REFUSED_RULE = ("train_batch's step was refused on some rank, so on every rank (its grads "
+                     "dropped, its buffers released): fix the cause, clear the grads and go on")
 
 
 class PipelineStageTimeout(TimeoutError):
@@ -48,8 +48,12 @@ def _chunk_of(bounds, name):  # the model chunk (stage) that holds layer name's 
     return max(c for c in range(len(bounds) - 1) if bounds[c] <= index)
 
 
-def _build_segment(layers):  # a zero-argument callable (Paddle's LayerDesc) is called here
-    return nn.Sequential(*[l if isinstance(l, nn.Module) else l() for l in layers])
+def _build_segment(layers):
+    modules = list(layers)
+    for i, layer in enumerate(modules):
+        if not isinstance(layer, nn.Module):  # a zero-argument callable (Paddle's LayerDesc)
+            modules[i] = layer()
+    return nn.Sequential(*modules)
 
 
 def _batch_size(data):  # the samples of `data = (inputs, labels)`, or None
@@ -69,20 +73,22 @@ def _clear_grad(optimizer, set_to_zero=True):  # Paddle's `clear_grad`, or torch
 class PipelineParallel(nn.Module):
     """One pipeline stage of `layers`, trained with 1F1B (Paddle's `PipelineParallel`).
 
-    `layers`: nn.Modules or zero-argument callables building one (Paddle's LayerDesc); stage s
-    holds `layers[b[s]:b[s+1]]` (`seg_boundaries` b, default an even split). `loss_fn(output,
-    label)`: a scalar (last stage). `shared_weights`: ties across stages, e.g. `[("0.tok.weight",
-    "5.proj.weight")]` (relgrad_extras.shared_weights). Errors: docs/contract.md.
+    `layers`: nn.Modules or zero-argument callables (Paddle's LayerDesc); stage s holds
+    `layers[b[s]:b[s+1]]` (`seg_boundaries` b; default an even split). `loss_fn(output, label)`:
+    a scalar. `shared_weights`: ties across stages, e.g. `[("0.tok.weight", "5.proj.weight")]`.
     """
 
-    def __init__(self, layers, hcg, strategy, loss_fn, seg_boundaries=None, shared_weights=None):
+    _interleaved = False  # relgrad_extras.interleave: the schedule fires the buckets
+
+    def __init__(self, layers: Iterable, hcg: HybridCommunicateGroup, strategy: HybridStrategy,
+                 loss_fn: Callable, seg_boundaries: list | None = None,
+                 shared_weights: list | None = None) -> None:
         super().__init__()
         pp_configs = strategy.hybrid_configs["pp_configs"]
         self._hcg, self._strategy, self._loss_fn = hcg, strategy, loss_fn
-        self.num_stages = hcg.get_pipe_parallel_world_size()
-        self.stage_id = hcg.get_stage_id()
-        self.accumulate_steps = strategy.accumulate_steps
-        self.micro_batch_size = strategy.micro_batch_size
+        self.num_stages, self.stage_id = hcg.get_pipe_parallel_world_size(), hcg.get_stage_id()
+        self.accumulate_steps, self.micro_batch_size = (strategy.accumulate_steps,
+                                                        strategy.micro_batch_size)
         self._dp_comm_overlap = pp_configs.dp_comm_overlap
         self._sharding_comm_overlap = pp_configs.sharding_comm_overlap
         self._delay_scale_loss = pp_configs.delay_scale_loss
@@ -116,20 +122,17 @@ class PipelineParallel(nn.Module):
         self._grad_clip, self._phase = None, Phase.IDLE
         self._marks = GradMarks(list(self._layers.parameters()))  # for a plain optimizer
 
-    _interleaved = False
-
     def _check_config(self, hcg, num_virtual_stages):  # Paddle's overlap rules
-        pp, dp = self.num_stages, hcg.get_data_parallel_world_size()
-        sharding = hcg.get_sharding_parallel_world_size()
         if self._dp_comm_overlap and self._sharding_comm_overlap:
             raise ValueError("pp_configs.dp_comm_overlap and sharding_comm_overlap cannot both be "
                              "on; turn one off")
-        if self._dp_comm_overlap and not (dp > 1 and pp > 1):
-            raise ValueError("pp_configs.dp_comm_overlap needs dp_degree > 1 and pp_degree > 1; "
-                             f"got dp_degree={dp}, pp_degree={pp}")
-        if self._sharding_comm_overlap and not (sharding > 1 and pp > 1):
-            raise ValueError("pp_configs.sharding_comm_overlap needs sharding_degree > 1 and "
-                             f"pp_degree > 1; got sharding_degree={sharding}, pp_degree={pp}")
+        for on, axis, degree in ((self._dp_comm_overlap, "dp", hcg.get_data_parallel_world_size()),
+                                 (self._sharding_comm_overlap, "sharding",
+                                  hcg.get_sharding_parallel_world_size())):
+            if on and not (degree > 1 and self.num_stages > 1):
+                raise ValueError(f"pp_configs.{axis}_comm_overlap needs {axis}_degree > 1 and "
+                                 f"pp_degree > 1; got {axis}_degree={degree}, "
+                                 f"pp_degree={self.num_stages}")
         self._check_virtual_stages(num_virtual_stages)
 
     def _check_virtual_stages(self, num_virtual_stages):
@@ -167,13 +170,14 @@ class PipelineParallel(nn.Module):
         bounds = _cut_layers(layers, seg_boundaries, self.num_stages)
         return _build_segment(layers[bounds[self.stage_id] : bounds[self.stage_id + 1]]), bounds
 
-    def forward(self, x):  # this stage's layers (no communication)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # this stage's layers (no communication)
         return self._layers(x)
 
     # ---- comm overlap: fused buffers whose hooks fire the collectives during backward ----
 
-    def fused_gradient(self, model, comm_group, acc_steps, dp, param2rank=None,
-                       group_size=128 * 1024 * 1024):
+    def fused_gradient(self, model: nn.Module, comm_group: dist.ProcessGroup | None,
+                       acc_steps: int, dp: bool, param2rank: dict | None = None,
+                       group_size: int = 128 * 1024 * 1024) -> None:
         """Paddle's: hooked `FusedCommBuffer`s of `model` (chunk i of a ModuleList: index i):
         ALL_REDUCE for dp, REDUCE to the owner (`param2rank`, v1), REDUCE_SCATTER for v2."""
         act = (HOOK_ACTION.ALL_REDUCE if dp else HOOK_ACTION.REDUCE_SCATTER
@@ -205,7 +209,7 @@ class PipelineParallel(nn.Module):
             if self._shared and self._shared.holds(buffer.params):
                 self._scheduler.held.append(buffer)
 
-    def register_sharding_comm_overlap_hook(self, optimizer):
+    def register_sharding_comm_overlap_hook(self, optimizer: torch.optim.Optimizer) -> None:
         """Build the sharding buffers; lazily, since v1's owner map lives in the optimizer."""
         if self._sharding_hooks_registered:
             return
@@ -218,7 +222,9 @@ class PipelineParallel(nn.Module):
 
     # ---- one training step ----
 
-    def train_batch(self, data, optimizer, lr_scheduler=None, grad_clip=None):
+    def train_batch(self, data: tuple, optimizer: torch.optim.Optimizer,
+                    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                    grad_clip: Callable | None = None) -> torch.Tensor:
         """1F1B over `data = (inputs, labels)` (batch on dim 0), then `_optimizer_step`; the
         mean loss (0-d fp32) on every rank. `grad_clip`: a Paddle-style clip (plain optimizers)."""
         self._check_accumulation()  # before _prepare_training builds sharding buffers
@@ -232,7 +238,7 @@ class PipelineParallel(nn.Module):
         self._optimizer_step()
         return loss
 
-    def forward_backward_pipeline(self, data):
+    def forward_backward_pipeline(self, data: tuple) -> torch.Tensor:
         """The schedule alone; calls before one step accumulate (not with overlap, ties)."""
         self._check_accumulation()
         self._agree_at_entry(None, data)
@@ -246,12 +252,13 @@ class PipelineParallel(nn.Module):
 
     def _agree_at_entry(self, refused=None, data=None):
         """Beyond Paddle: before the first p2p, raise everywhere what a rank saw (or time out)."""
-        clip = self._grad_clip
+        clip, batch = self._grad_clip, None
+        if data is not None:
+            batch = self._batch_problem(data)
         try:
             agree(self._agree_groups(), [
                 ("train_batch: a batch does not split into accumulate_steps micro-batches; pass "
-                 "micro_batch_size * accumulate_steps samples on every rank",
-                 None if data is None else self._batch_problem(data)),
+                 "micro_batch_size * accumulate_steps samples on every rank", batch),
                 ("train_batch refused", refused and f"{type(refused).__name__}: {refused}")],
                 [("accumulate_steps", self.accumulate_steps),
                  ("the batch's samples", _batch_size(data)),
@@ -271,7 +278,8 @@ class PipelineParallel(nn.Module):
                                       who) from error
 
     def _prepare_training(self, optimizer, lr_scheduler, grad_clip=None):
-        _check_grad_clip(grad_clip)
+        if grad_clip is not None:  # a Paddle-style clip: relgrad_extras.grad_clip checks it
+            extras("grad_clip", "train_batch(grad_clip=)").check(grad_clip)
         if grad_clip is not None and hasattr(optimizer, "reduce_gradients"):
             raise ValueError("a sharding optimizer clips in its own step(): pass grad_clip to "
                              f"{type(optimizer).__name__}(..., grad_clip=), not to train_batch")
@@ -338,7 +346,7 @@ class PipelineParallel(nn.Module):
             self._discard_grads()
             raise
 
-    def eval_batch(self, data, compute_loss=True):
+    def eval_batch(self, data: tuple, compute_loss: bool = True) -> torch.Tensor | None:
         """Forward only, on every rank of the pipe: the mean loss (else the last outputs)."""
         inputs, labels = self._micro_batches(data)
         self._meta_sent = self._meta_recv = None
@@ -434,8 +442,8 @@ class PipelineParallel(nn.Module):
             raise
         self._phase = Phase.IDLE
         if self._grad_clip is not None:  # on reduced grads, before the step and the release
-            self._grad_clip([(p, _grad(p)) for p in params], norm_groups(self._hcg),
-                            self._device())
+            groups = extras("grad_clip", "train_batch(grad_clip=)").norm_groups(self._hcg)
+            self._grad_clip([(p, _grad(p)) for p in params], groups, self._device())
 
     def _reduce_for_step(self, params):
         """Paddle's delay_scale_loss (in place), then HybridParallelOptimizer's reduce: the
@@ -443,10 +451,7 @@ class PipelineParallel(nn.Module):
         for g in [_grad(p) for p in params] if self._delay_scale_loss else ():
             if g is not None:  # in place: Paddle's `grad.scale(1/acc)` rebinds the grad
                 g.mul_(1.0 / self.accumulate_steps)
-        hcg, slotted = self._hcg, set()
-        for buffers in self._chunk_2_comm_buffers.values():
-            for buffer in buffers:
-                slotted.update(id(p) for p in buffer.params)
+        hcg, slotted = self._hcg, {id(p) for b in self._scheduler.buffers for p in b.params}
         unslotted = [p for p in params if p.requires_grad and id(p) not in slotted]
         if self._comm_overlap and unslotted:
             names = [f"{tuple(p.shape)}" for p in unslotted]
@@ -470,9 +475,8 @@ class PipelineParallel(nn.Module):
         if self.optimizer is not None:
             _clear_grad(self.optimizer, set_to_zero=not self._release_gradients)
             self._marks.clear()
-        if self._release_gradients:
-            for buffer in (b for bs in self._chunk_2_comm_buffers.values() for b in bs):
-                buffer._clear_grad_storage()
+        for buffer in self._scheduler.buffers if self._release_gradients else ():
+            buffer._clear_grad_storage()  # every model chunk's
 
     def _check_accumulation(self):
         """A second schedule before the step, with overlap or ties: raised on every rank."""
@@ -499,19 +503,20 @@ class PipelineParallel(nn.Module):
         """The previous stage's activation (the data on the first stage)."""
         return self._p2p(recv_prev=True, fallback=first_stage_input)
 
-    def send_forward_recv_backward(self, out: torch.Tensor):
+    def send_forward_recv_backward(self, out: torch.Tensor) -> torch.Tensor | None:
         """`out` to the next stage, and its grad back from there (None on the last)."""
         return self._p2p(send_next=self._unless_last(out), recv_next=out)
 
-    def send_backward_recv_forward(self, in_grad, first_stage_input: torch.Tensor):
+    def send_backward_recv_forward(self, in_grad: torch.Tensor | None,
+                                   first_stage_input: torch.Tensor) -> torch.Tensor:
         """`in_grad` to the previous stage, and its next activation from there."""
         return self._p2p(send_prev=in_grad, recv_prev=True, fallback=first_stage_input)
 
-    def send_backward(self, in_grad) -> None:
+    def send_backward(self, in_grad: torch.Tensor | None) -> None:
         """`in_grad`, the grad of this stage's input, to the previous stage."""
         self._p2p(send_prev=in_grad)
 
-    def recv_backward(self, out: torch.Tensor):
+    def recv_backward(self, out: torch.Tensor) -> torch.Tensor | None:
         """The grad of `out` from the next stage (None on the last)."""
         return self._p2p(recv_next=out)
 
@@ -546,8 +551,9 @@ class PipelineParallel(nn.Module):
             self._wait_p2p(dist.batch_isend_irecv(ops), [op.peer for op in ops])
         if recv_prev and first:
             return fallback
-        return got_prev.requires_grad_(got_prev.is_floating_point()) if got_prev is not None \
-            else got_next
+        if got_prev is not None:
+            return got_prev.requires_grad_(got_prev.is_floating_point())
+        return got_next
 
     def _p2p_one(self, op, tensor, peer, group):  # batched: nccl opens a communicator per pair
         self._wait_p2p(dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)]), [peer])

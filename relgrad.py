@@ -5,11 +5,13 @@ Mirrors, at commit 9b40c67f672f, `PpConfig` / `DygraphShardingConfig` (distribut
 (fleet/utils/mix_precision_utils.py), plus process-group helpers (timeouts, the current device).
 `python relgrad.py` runs the main job (relgrad_demo/cli.py). Leaves out: mp / sep axes.
 """
+import datetime
 import enum
 import inspect
 import sys
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -85,16 +87,17 @@ class HybridStrategy:
         for name in ("dp_degree", "pp_degree", "sharding_degree", "accumulate_steps"):
             _require_count(name, getattr(self, name))
         _require_count("micro_batch_size", self.micro_batch_size, none_ok=True)
-        _require(not (problem := sharding_config_problem(self)), problem)
+        problem = sharding_config_problem(self)
+        _require(problem is None, problem)
 
     @property
-    def hybrid_configs(self):
+    def hybrid_configs(self) -> dict:
         """Dict view, so code reads as Paddle's: `strategy.hybrid_configs["pp_configs"]`."""
         return {"dp_degree": self.dp_degree, "pp_degree": self.pp_degree,
                 "sharding_degree": self.sharding_degree, "pp_configs": self.pp_configs,
                 "sharding_configs": self.sharding_configs}
 
-    def check_world_size(self, world_size):
+    def check_world_size(self, world_size: int) -> None:
         """Raise ValueError unless the degrees multiply to `world_size` (ranks)."""
         product = self.dp_degree * self.pp_degree * self.sharding_degree
         _require(product == world_size, f"dp_degree * pp_degree * sharding_degree = {product} ("
@@ -102,7 +105,7 @@ class HybridStrategy:
                  f"world size {world_size}; change the degrees or the number of ranks")
 
 
-def sharding_config_problem(strategy):
+def sharding_config_problem(strategy: HybridStrategy) -> str | None:
     """What breaks the sharding configs' rules in `strategy` (Paddle's hybrid_configs), or None."""
     configs = strategy.hybrid_configs
     pp, sd, pp_degree = configs["pp_configs"], configs["sharding_configs"], configs["pp_degree"]
@@ -134,7 +137,7 @@ class HybridCommunicateGroup:
     `timeout` bounds each collective and p2p wait on them (None: the default group's).
     """
 
-    def __init__(self, strategy, timeout=None):
+    def __init__(self, strategy: HybridStrategy, timeout: datetime.timedelta | None = None) -> None:
         world, rank = dist.get_world_size(), dist.get_rank()
         timeout = timeout or group_timeout(None)
         strategy.check_world_size(world)
@@ -150,31 +153,21 @@ class HybridCommunicateGroup:
                     self._groups.append((group, ranks))
 
     # Paddle's getters: ranks, sizes and groups along dp (axis 0), pipe (1), sharding (2).
-    def get_data_parallel_rank(self): return self._coord[0]
-    def get_data_parallel_world_size(self): return len(self._groups[0][1])
-    def get_data_parallel_group(self): return self._groups[0][0]
-    def get_stage_id(self): return self._coord[1]
-    def get_pipe_parallel_world_size(self): return len(self._groups[1][1])
-    def get_pipe_parallel_group(self): return self._groups[1][0]
-    def get_rank_from_stage(self, stage_id): return self._groups[1][1][stage_id]  # global
-    def get_sharding_parallel_rank(self): return self._coord[2]
-    def get_sharding_parallel_world_size(self): return len(self._groups[2][1])
-    def get_sharding_parallel_group(self): return self._groups[2][0]
-
-
-def norm_groups(hcg) -> list:
-    """The groups that sum a rank's squares into the model's norm: sharding, then pipe."""
-    groups = []
-    if hcg.get_sharding_parallel_world_size() > 1:
-        groups.append(hcg.get_sharding_parallel_group())
-    if hcg.get_pipe_parallel_world_size() > 1:
-        groups.append(hcg.get_pipe_parallel_group())
-    return groups
+    def get_data_parallel_rank(self) -> int: return self._coord[0]
+    def get_data_parallel_world_size(self) -> int: return len(self._groups[0][1])
+    def get_data_parallel_group(self) -> dist.ProcessGroup: return self._groups[0][0]
+    def get_stage_id(self) -> int: return self._coord[1]
+    def get_pipe_parallel_world_size(self) -> int: return len(self._groups[1][1])
+    def get_pipe_parallel_group(self) -> dist.ProcessGroup: return self._groups[1][0]
+    def get_rank_from_stage(self, stage_id: int) -> int: return self._groups[1][1][stage_id]
+    def get_sharding_parallel_rank(self) -> int: return self._coord[2]
+    def get_sharding_parallel_world_size(self) -> int: return len(self._groups[2][1])
+    def get_sharding_parallel_group(self) -> dist.ProcessGroup: return self._groups[2][0]
 
 
 # ---- process groups on any backend: timeouts, the current device ----
 
-def group_timeout(group):
+def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta:
     """The timeout `group` (None: the default) was created with, else torch's default for it."""
     group = group or dist.distributed_c10d._get_default_group()
     for device in getattr(group, "_device_types", ()):  # private API: its backends' devices
@@ -193,7 +186,7 @@ SET_DEVICE_FIX = ("add `torch.cuda.set_device(local_rank)` (local_rank = int(os.
                   "or pass `device_id=torch.device(\"cuda\", local_rank)` to it")
 
 
-def device_problem(backend, param_devices, current_device):
+def device_problem(backend: str, param_devices: list, current_device: int | None) -> str | None:
     """What is wrong, or None, with params on `param_devices` under `backend` while the current
     CUDA device is `current_device` (NCCL runs there: another means no set_device). Pure."""
     others = sorted({str(d) for d in param_devices if torch.device(d).type == "cuda"
@@ -204,7 +197,7 @@ def device_problem(backend, param_devices, current_device):
             f"cuda:{current_device} (torch.cuda.current_device()), where NCCL runs")
 
 
-def check_current_device(params, groups, what):
+def check_current_device(params: list, groups: list, what: str) -> None:
     """Beyond Paddle: ValueError on every rank if, under NCCL, params are off the current GPU."""
     if any(_backend_for(dist.get_backend(g), "cuda") == "nccl" for g in groups):
         current = torch.cuda.current_device() if torch.cuda.is_available() else None
@@ -229,12 +222,12 @@ class GradMarks:
     """Beyond Paddle: which params got a grad since `clear()` (by backward, through a hook, or
     assigned by hand), and whether a grad changed in place after the backward that wrote it."""
 
-    def __init__(self, params):
+    def __init__(self, params: list) -> None:
         self.params, self._written, self._hooks, self._events = params, {}, {}, [0]
         self.clear()
         weakref.finalize(self, _remove_hooks, self._hooks)
 
-    def clear(self):
+    def clear(self) -> None:
         """Forget what was written; hook every trainable param (one unfrozen since, too)."""
         self._written.clear()
         self._events[0] = 0
@@ -246,7 +239,7 @@ class GradMarks:
                 mark = _marker(self._written, self._events)
                 self._hooks[id(p)] = p.register_post_accumulate_grad_hook(mark)
 
-    def written(self):
+    def written(self) -> list:
         """Per param: a grad written since the last clear (by backward, or assigned by hand)."""
         flags = []
         for p in self.params:
@@ -254,7 +247,7 @@ class GradMarks:
             flags.append(id(p) in self._written or by_hand)
         return flags
 
-    def changed_in_place(self):
+    def changed_in_place(self) -> list:
         """The params whose grad's version moved more since their last backward than later
         backwards' adds can (views of one buffer share a version counter)."""
         changed = []
@@ -282,7 +275,7 @@ def _remove_hooks(hooks):
 
 # ---- the torch optimizer surface and fp32 masters (Paddle's mix_precision_utils.py) ----
 
-def register_main_grad_hooks(params):
+def register_main_grad_hooks(params: Iterable) -> list:
     """fp32 `param.main_grad` hooks (Paddle's MixPrecisionLayer), before the buffers'."""
     handles = []
     for p in params:
@@ -302,11 +295,15 @@ def _update_main_grad(param):
     param.grad = None
 
 
-def clear_grad_func(p, set_to_zero):
+def clear_grad_func(p: torch.Tensor, set_to_zero: bool) -> None:
     """Zero `p`'s main_grad / grad in place, or drop them (Paddle's clear_grad_func)."""
     for name in ("main_grad", "grad"):
-        if (g := getattr(p, name, None)) is not None:
-            g.zero_() if set_to_zero else setattr(p, name, None)
+        if getattr(p, name, None) is None:
+            continue
+        if set_to_zero:
+            getattr(p, name).zero_()
+        else:
+            setattr(p, name, None)
 
 
 class _Wrapper(torch.optim.Optimizer):
@@ -341,15 +338,17 @@ class _Wrapper(torch.optim.Optimizer):
                              "drop the scaler (bf16 params: fp32 main grads)")
         getattr(self._inner_opt, "check_template", lambda: None)()
 
-    def zero_grad(self, set_to_none=True): self.clear_grad(set_to_zero=not set_to_none)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.clear_grad(set_to_zero=not set_to_none)
+
     def _local_state_dict(self): return self._inner_opt.state_dict()
     def _load_local_state_dict(self, state_dict): self._inner_opt.load_state_dict(state_dict)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict) -> None:
         raise ValueError(f"{type(self).__name__} cannot add a param group after it was built; "
                          "build the torch optimizer with every group first, then wrap it")
 
-    def state_dict(self):  # this rank's state, through torch's hooks
+    def state_dict(self) -> dict:  # this rank's state, through torch's hooks
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         state_dict = self._local_state_dict()
@@ -357,7 +356,7 @@ class _Wrapper(torch.optim.Optimizer):
             state_dict = hook(self, state_dict) or state_dict
         return state_dict
 
-    def load_state_dict(self, state_dict):  # through torch's hooks
+    def load_state_dict(self, state_dict: dict) -> None:  # through torch's hooks
         state_dict = state_dict.copy()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
@@ -366,7 +365,7 @@ class _Wrapper(torch.optim.Optimizer):
             hook(self)
 
 
-def new_params(params, known):
+def new_params(params: torch.Tensor | Iterable, known: list) -> list:
     """`params` (a tensor or an iterable) as a list; ValueError if one is `known` or repeated."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     ids = [id(p) for p in params]
@@ -384,13 +383,13 @@ class MixPrecisionOptimizer(_Wrapper):
     """Step `optimizer`'s class on fp32 masters of the bf16 / fp16 targets (params or v2
     slices, `params`: per group), fed `main_grad` (else the grad), copied back after."""
 
-    def __init__(self, optimizer, params=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list | None = None) -> None:
         if carries_state(optimizer):  # the sharding wrappers agree on this first
             raise ValueError(f"{_template_state_rule(type(self).__name__)}; it holds state "
                              f"for {len(optimizer.state)} param(s)")
         self._targets, self._masters = [], {}
-        groups = [self._master_group(group, targets) for group, targets in zip(
-            optimizer.param_groups, params or [g["params"] for g in optimizer.param_groups])]
+        targets = params or [g["params"] for g in optimizer.param_groups]
+        groups = [self._master_group(g, t) for g, t in zip(optimizer.param_groups, targets)]
         self._inner_opt = _rebuilt(optimizer, groups)
         self._expose(self._inner_opt)
         # An LR scheduler built on the template would change it where nothing steps.
@@ -403,7 +402,7 @@ class MixPrecisionOptimizer(_Wrapper):
                               if t.is_floating_point() and t.element_size() < 4})
         return {**_hyper(group), "params": [self._masters.get(t, t) for t in targets]}
 
-    def check_template(self):
+    def check_template(self) -> None:
         """ValueError if the wrapped optimizer changed since (an LR scheduler built on it)."""
         for i, (group, built) in enumerate(zip(self._template.param_groups, self._built)):
             changed = {k: (built.get(k), v) for k, v in _hyper(group).items()
@@ -413,11 +412,11 @@ class MixPrecisionOptimizer(_Wrapper):
                                  f"(built, now): {changed}); the wrapper steps with its own "
                                  "param_groups. Build the scheduler on the wrapper")
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict) -> None:
         self._inner_opt.add_param_group(self._master_group(param_group, param_group["params"]))
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable | None = None) -> None:
         """One optimizer step on every target that has a main_grad or grad (others skipped)."""
         self._check_step_args(closure)
         self.check_template()
@@ -447,7 +446,7 @@ class MixPrecisionOptimizer(_Wrapper):
             p.grad = None
 
     @torch.no_grad()
-    def clear_grad(self, set_to_zero=True):
+    def clear_grad(self, set_to_zero: bool = True) -> None:
         for t in self._targets:  # Paddle's clear_grad
             clear_grad_func(t, set_to_zero)
 
@@ -470,15 +469,18 @@ def _rebuilt(optimizer, groups):
                                       if k in accepted})
 
 
-def carries_state(optimizer):
+def carries_state(optimizer: torch.optim.Optimizer) -> bool:
     """True if `optimizer` holds state a fresh one would not (stepped or loaded)."""
     if not optimizer.state:
         return False
     fresh = _rebuilt(optimizer, [{**_hyper(g), "params": g["params"]}
                                  for g in optimizer.param_groups])
-    return any(set(state) != set(new := fresh.state.get(p, {})) or not all(
-        torch.equal(torch.as_tensor(v), torch.as_tensor(new[k])) for k, v in state.items())
-        for p, state in optimizer.state.items())
+    for p, state in optimizer.state.items():
+        new = fresh.state.get(p, {})
+        if set(state) != set(new) or not all(
+                torch.equal(torch.as_tensor(v), torch.as_tensor(new[k])) for k, v in state.items()):
+            return True
+    return False
 
 
 def _template_state_rule(wrapper):

@@ -27,8 +27,7 @@ from comm_buffer import (HOOK_ACTION, IN_FLIGHT_RULE, FusedCommBuffer, _fill_gra
                          main_grad_or_grad as _grad, sums_in_16_bits, weak_hook)
 from relgrad import (GradMarks, HybridCommunicateGroup, HybridStrategy, MixPrecisionOptimizer,
                      Phase, _hyper, _template_state_rule, _Wrapper, carries_state,
-                     check_current_device, clear_grad_func, new_params, norm_groups,
-                     sharding_config_problem)
+                     check_current_device, clear_grad_func, new_params, sharding_config_problem)
 
 
 # ---- Helpers: the dp sync, hyper-parameters, the extras folder ----
@@ -193,7 +192,6 @@ class BucketScheduler:
 # ---- What v1 and v2 share: flags, agreements, the step's state, per-rank checkpoints ----
 
 _CLIP_RULES = 3  # clip_grad_norm_'s rules (relgrad_extras.grad_clip): every rank sends as many
-LAYOUT_KEY = "sharding_layout"  # tags a per-rank state_dict() with the layout it fits
 _ERASE_MSG = ("should not erase grad buffer: release off, the grads are views of a persistent "
               "fused buffer; use zero_grad(set_to_none=False) or turn release_gradients on")
 UNSLOTTED_RULE = ("a param frozen when the fused buffers were built requires grad now: it has no "
@@ -243,7 +241,9 @@ class _Sharding(_Wrapper):
         problem = sharding_config_problem(strategy)  # again: a strategy is mutable
         if problem:
             raise ValueError(problem)
-        self._grad_clip = _check_grad_clip(grad_clip)
+        if grad_clip is not None:  # a Paddle-style clip: relgrad_extras.grad_clip checks it
+            extras("grad_clip", "grad_clip=").check(grad_clip)
+        self._grad_clip = grad_clip
         self._phase, self._marks = Phase.IDLE, GradMarks(self._parameter_list)
 
     def _wrap(self, optimizer, targets: dict) -> None:
@@ -362,7 +362,8 @@ class _Sharding(_Wrapper):
     def _update(self) -> None:
         """torch's step pre-hooks (seeing the reduced grads), clip, step, broadcast, post-hooks."""
         if self._grad_clip is not None:  # Paddle's: on the reduced grads this rank steps
-            self._grad_clip(self._clip_pairs(), norm_groups(self._hcg), self._flags_device())
+            groups = extras("grad_clip", "grad_clip=").norm_groups(self._hcg)
+            self._grad_clip(self._clip_pairs(), groups, self._flags_device())
         self._inner_opt.step()
         self._phase = Phase.STEPPED  # until zero_grad() (own overlap: a GAN's backward raises)
         self._sync_params()
@@ -402,17 +403,10 @@ class _Sharding(_Wrapper):
             self._phase = Phase.DROPPED if dropped else Phase.IDLE
         return error
 
-    # ---- per-rank checkpoints (consolidated ones: relgrad_extras/checkpoint.py) ----
+    # ---- checkpoints, per rank or consolidated: relgrad_extras/checkpoint.py ----
 
-    def _local_state_dict(self) -> dict:
-        if getattr(self, "_pending_state", None) is not None:
-            return extras("checkpoint", "state_dict() of a pending state").pending_full(self)
-        return {**super()._local_state_dict(), LAYOUT_KEY: self._layout()}
-
-    def _layout(self) -> dict:
-        shapes = [tuple(p.shape) for p in self._parameter_list]
-        return {"version": 2 if self._is_v2 else 1, "sharding_degree": self._nranks,
-                "sharding_rank": self._rank, "shapes": shapes, **self._ownership()}
+    def _local_state_dict(self) -> dict:  # this rank's shard, tagged with its layout
+        return extras("checkpoint", "state_dict()").local_state_dict(self)
 
     def consolidate_state_dict(self, to: int = 0) -> dict | None:
         """torch ZeRO's: the whole state, one process's format, on rank `to` (relgrad_extras)."""
@@ -427,14 +421,6 @@ class _Sharding(_Wrapper):
     def _load_local_state_dict(self, state_dict) -> None:
         """A per-rank state of this layout, or a consolidated one (relgrad_extras)."""
         extras("checkpoint", "load_state_dict").load_state(self, state_dict)
-
-
-def _check_grad_clip(grad_clip):
-    """None, or a Paddle-style clip (`clip_norm`, `grad_clip(params_grads, groups, device)`)."""
-    if grad_clip is not None and not (callable(grad_clip) and hasattr(grad_clip, "clip_norm")):
-        raise TypeError(f"grad_clip must be None or a Paddle-style clip (relgrad_extras.grad_clip"
-                        f"), got {type(grad_clip).__name__}; torch's: opt.clip_grad_norm_(c)")
-    return grad_clip
 
 
 def _comm_buffer_bytes(sharding_config, default_mb: int = 256) -> int:
@@ -544,9 +530,6 @@ class DygraphShardingOptimizer(_Sharding):
     def _clip_pairs(self) -> list:
         """What a clip reads: the grads this rank owns, reduced."""
         return [(p, _grad(p)) for p in self._parameter_list if self._param2rank[p] == self._rank]
-
-    def _ownership(self) -> dict:
-        return {"owners": [self._param2rank[p] for p in self._parameter_list]}
 
 
 # ---- Sharding v2 (split_param): flat shards of every bucket ----
@@ -721,12 +704,6 @@ class DygraphShardingOptimizerV2(_Sharding):
             if grad is not None:
                 pairs.append((param, grad[: piece[1]]))
         return pairs
-
-    def _ownership(self) -> dict:
-        if not self._comm_buffer_list:  # under pipeline overlap, before the first train_batch
-            return {"slices": None}
-        pieces = self._pieces()
-        return {"slices": [pieces.get(p) for p in self._parameter_list]}
 
 
 def _require_zero(set_to_zero: bool) -> None:

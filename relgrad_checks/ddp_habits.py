@@ -249,7 +249,7 @@ def _grads_seen(model, opt):
         return [(index[id(p)], None, p.grad.clone()) for g in opt.param_groups
                 for p in g["params"]]
     stepped = {id(p) for g in opt.param_groups for p in g["params"]}
-    slices = opt._ownership()["slices"]  # per param: (start in it, length) or None
+    slices = list(map(opt._pieces().get, params))  # per param: (start in it, length) or None
     return [(i, slices[i][0], s.grad[: slices[i][1]].clone())
             for i, p in enumerate(params) if id(s := opt._slice_params[p]) in stepped
             and s.grad is not None]

@@ -1,9 +1,9 @@
 """Consolidate and re-shard the optimizer state of sharding v1 / v2 (torch ZeRO's checkpoints).
 
 Mirrors torch's `ZeroRedundancyOptimizer.consolidate_state_dict` / `load_state_dict` for the
-optimizers of `sharding.py`, which imports this module at the call (`consolidate_state_dict`, or
-`load_state_dict` given a consolidated dict). The per-rank `state_dict()` and its layout check
-are the core's (`sharding.py`, per-rank checkpoints). Paddle re-shards at the trainer level
+optimizers of `sharding.py`, which imports this module at the call (`state_dict`,
+`consolidate_state_dict`, `load_state_dict`). A per-rank `state_dict()` is this rank's shard
+tagged with its layout (`local_state_dict`), and loads only into the same layout. Paddle re-shards at the trainer level
 instead (PaddleNLP's `trainer/utils/sharding_io.py` and `reshard/`: `merge_opt_state` /
 `split_opt_state`, keyed by param name); here it lives on the optimizer, as in torch, and params
 are keyed by index.
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from comm_buffer import agree, global_rank
 
-from sharding import LAYOUT_KEY
+LAYOUT_KEY = "sharding_layout"  # tags a per-rank state_dict() with the layout it fits
 
 
 # ---------------------------------------------------------------- what this rank holds
@@ -364,9 +364,32 @@ def _load_problem(opt, state_dict, own):
     return None
 
 
+def local_state_dict(opt):
+    """`opt.state_dict()`: this rank's shard (the inner optimizer's state), tagged with its
+    layout; a consolidated state loaded before v2's buffers is returned whole."""
+    if getattr(opt, "_pending_state", None) is not None:
+        return pending_full(opt)
+    return {**opt._inner_opt.state_dict(), LAYOUT_KEY: layout(opt)}
+
+
+def layout(opt):
+    """What a per-rank state fits: the version, sharding degree and rank, the param shapes,
+    and v1's owners or v2's slices (None before v2 has its buffers)."""
+    found = {"version": 2 if opt._is_v2 else 1, "sharding_degree": opt._nranks,
+             "sharding_rank": opt._rank, "shapes": [tuple(p.shape) for p in opt._parameter_list]}
+    if not opt._is_v2:
+        found["owners"] = [opt._param2rank[p] for p in opt._parameter_list]
+    elif _layout_known(opt):
+        pieces = opt._pieces()
+        found["slices"] = [pieces.get(p) for p in opt._parameter_list]
+    else:
+        found["slices"] = None  # under pipeline overlap, before the first train_batch
+    return found
+
+
 def _layout_problem(opt, saved):
     diffs = []
-    for key, here in opt._layout().items():
+    for key, here in layout(opt).items():
         unknown = key == "slices" and None in (saved.get(key), here)  # v2 before its buffers
         if saved.get(key) != here and not unknown:
             diffs.append(f"{key}: saved {str(saved.get(key))[:200]}, here {str(here)[:200]}")

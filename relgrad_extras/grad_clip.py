@@ -23,8 +23,6 @@ import math
 import torch
 import torch.distributed as dist
 
-from relgrad import norm_groups
-
 CLIP_EPS = 1e-6  # Paddle's (and torch's) epsilon in the coefficient's denominator
 EPS = CLIP_EPS
 
@@ -68,6 +66,24 @@ class ClipGradByGlobalNorm:
         self.global_norm = clip_grads_by_global_norm(params_grads, self.clip_norm, groups,
                                                      device, coefficient="paddle")
         return params_grads
+
+
+def norm_groups(hcg):
+    """The groups that sum a rank's squares into the model's norm: sharding, then pipe."""
+    groups = []
+    if hcg.get_sharding_parallel_world_size() > 1:
+        groups.append(hcg.get_sharding_parallel_group())
+    if hcg.get_pipe_parallel_world_size() > 1:
+        groups.append(hcg.get_pipe_parallel_group())
+    return groups
+
+
+def check(grad_clip):
+    """TypeError unless `grad_clip` is a Paddle-style clip: `clip_norm`, and
+    `grad_clip(params_grads, groups, device)` (the sharding optimizers' and train_batch's)."""
+    if not (callable(grad_clip) and hasattr(grad_clip, "clip_norm")):
+        raise TypeError(f"grad_clip must be None or a Paddle-style clip (relgrad_extras.grad_clip"
+                        f"), got {type(grad_clip).__name__}; torch's: opt.clip_grad_norm_(c)")
 
 
 @torch.no_grad()
