@@ -223,8 +223,7 @@ def assign_group_by_size(params: list, group_size: int = 128 * 1024 * 1024) -> O
 
 
 def bw_hook_func(buffer: "FusedCommBuffer", param: torch.Tensor) -> Callable:
-    """A post-accumulate grad hook calling `buffer.add_grad(param)` (Paddle's), holding the
-    buffer weakly (torch never frees a cycle through a tensor's hooks)."""
+    """Paddle's grad hook, `buffer.add_grad(param)`; the buffer held weakly (no hook cycle)."""
     return weak_hook(lambda owner, p: owner.add_grad(p), buffer)
 
 
@@ -265,11 +264,16 @@ def agree(groups: list, problems: list | tuple = (), same: list | tuple = (),
     """Beyond Paddle: agree over every rank of `groups` (in turn; None = WORLD); `flags` OR-ed.
 
     `problems`: `[(rule, detail)]`, detail what this rank saw or None; `same`: `[(name, value)]`,
-    equal wherever not None (a dict: each item). One MAX all-reduce (`via_store`: the store);
-    if anything is flagged every rank gathers the details and raises the same ValueError.
-    `timeout`: TimeoutError naming `.absent` ranks.
+    equal wherever not None (a dict: each item). One MAX all-reduce (`via_store`: the store); if
+    anything is flagged, every rank raises the same ValueError. `timeout`: TimeoutError, `.absent`.
     """
-    mine = (dist.get_rank(), list(problems), dict(same))
+    values = {}
+    for name, value in same:  # a dict value stands for each of its items
+        if isinstance(value, dict):
+            values.update(value)
+        else:
+            values[name] = value
+    mine = (dist.get_rank(), list(problems), values)
     if via_store:
         seen = _gather(mine, groups, via_store=True)
         details = [d for _, ds, _ in seen for _, d in ds]
@@ -356,10 +360,10 @@ def _disagreement(problems, seen, title=None):
         if where:
             shown = "; ".join(f"global rank {r}: {d}" for r, (_, d) in where[:4])
             texts.append(f"{where[0][1][0]} (seen on {len(where)} rank(s): {shown})")
-    differ, flat = [], [(r, _items(vs)) for r, _, vs in seen]
-    for name in dict.fromkeys(n for _, vs in flat for n in vs):  # every rank's names, in order
+    differ = []
+    for name in dict.fromkeys(n for _, _, vs in seen for n in vs):  # every rank's names, in order
         values = {}
-        for r, vs in flat:
+        for r, _, vs in seen:
             if vs.get(name) is not None:
                 values.setdefault(repr(vs[name]), []).append(r)
         if len(values) > 1:
@@ -369,16 +373,6 @@ def _disagreement(problems, seen, title=None):
     if title and any(" differs across ranks: " in t for t in texts):
         texts.insert(0, title)
     return "; ".join(texts)
-
-
-def _items(values):  # a dict value stands for each of its items
-    items = {}
-    for name, value in values.items():
-        if isinstance(value, dict):
-            items.update(value)
-        else:
-            items[name] = value
-    return items
 
 
 def is_timeout_error(error: BaseException) -> bool:
@@ -541,8 +535,7 @@ class FusedCommBuffer:
 
     @torch.no_grad()
     def relink_grad(self, param: torch.Tensor) -> None:
-        """Release off: a grad that is not its slot's view (`zero_grad()` set it to None, then
-        backward made a new one) is added into its zeroed slot, as DDP copies it in."""
+        """Release off: a new grad, not its slot's view, is added into its zeroed slot (DDP's)."""
         slot, grad = self._slot(param), _grad_of(param, self.use_main_grad)
         if grad is None or grad.data_ptr() != slot.data_ptr():
             _fill_grad(param, self.use_main_grad)
@@ -582,7 +575,7 @@ class FusedCommBuffer:
         _drop_aliasing_grads(self._params, self.use_main_grad, self._drop_grad_storage())
         self._reset_params_checked_in()
 
-    def release(self) -> None:  # `_clear_grad_storage()` under a public name
+    def release(self) -> None:  # Paddle's `_clear_grad_storage()`, under a public name
         self._clear_grad_storage()
 
     def _drop_grad_storage(self):
@@ -600,8 +593,7 @@ class FusedCommBuffer:
         self._comm_grads()
 
     def issue(self) -> None:
-        """Issue the collective with what the bucket holds: a param that never checked in is
-        copied in first (release; its zero slot), so every rank issues the same collective."""
+        """Issue the collective with what it holds (release: a missing param's zero slot)."""
         for param, count in self.check_ins().items():
             if self._release_grads and count == 0:
                 self._copy_grad_to_buffer(param)
@@ -640,8 +632,7 @@ class FusedCommBuffer:
 
     @torch.no_grad()
     def scale_grads(self, agree_in_flight: bool = True) -> None:
-        """Wait, scale by 1/nranks what this rank reads, reset the check-ins; `agree_in_flight`
-        (beyond Paddle): raise on every rank if some grad changed while in flight."""
+        """Wait, scale what this rank reads by 1/nranks, reset; `agree_in_flight`: IN_FLIGHT_RULE."""
         if self._task is None:
             raise RuntimeError(f"bucket {self._id}: no collective in flight, nothing to wait for:"
                                f" {self._check_in_status()} (a param without grads never checks"
@@ -658,8 +649,7 @@ class FusedCommBuffer:
         self._reset_params_checked_in()
 
     def settle(self) -> None:
-        """Beyond Paddle: wait for the collective without scaling, reset the check-ins (a
-        refused step, whose grads are dropped next)."""
+        """Beyond Paddle: wait without scaling, reset the check-ins (a refused step's)."""
         if self._task is not None:
             self._task.wait()
         self._reset_params_checked_in()

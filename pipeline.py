@@ -142,8 +142,7 @@ class PipelineParallel(nn.Module):
                              " (relgrad_extras.interleave)")
 
     def _check_untied_shares(self, layers, bounds, shared_weights):
-        """Beyond Paddle: one Parameter in the layers of two stages must be tied. Every rank
-        sees every layer, so every rank raises alike."""
+        """Beyond Paddle: one Parameter in two stages' layers must be tied (raised alike)."""
         ties = [set(tie) for tie in shared_weights or ()]
         first = {}
         for i, layer in enumerate(layers):
@@ -196,11 +195,8 @@ class PipelineParallel(nn.Module):
                                              dst, release_grads=self._release_gradients)
                     self._chunk_2_comm_buffers[chunk_idx].append(buffer)
 
-        self._hook_buffers(dp)
-
-    def _hook_buffers(self, dp):
-        """Paddle's `param._register_backward_hook(self.bw_hook_func(buffer, param))`, through
-        the bucket scheduler (one firing order on every rank; a tied copy's waits for the sum)."""
+        # Paddle's `param._register_backward_hook(self.bw_hook_func(buffer, param))`, through the
+        # bucket scheduler (one firing order on every rank; a tied copy's waits for the tie sum)
         buffers = [b for bs in self._chunk_2_comm_buffers.values() for b in bs]
         free = not dp and self._strategy.hybrid_configs["sharding_configs"].free_grads_in_comm
         plug_free_in_comm(buffers, free)  # [later] PaddleNLP #9081
@@ -266,8 +262,7 @@ class PipelineParallel(nn.Module):
                   (clip is not None, getattr(clip, "clip_norm", None)))],
                 device=self._device(), timeout=self._p2p_timeout, title=(
                     "train_batch's entry check: every rank of the job must run the same "
-                    "accumulate_steps and batch size (build every HybridStrategy alike) and "
-                    "the same grad_clip"))
+                    "accumulate_steps, batch size and grad_clip (build each HybridStrategy alike)"))
         except TimeoutError as error:
             absent = sorted(getattr(error, "absent", ()))
             stages = [s for s in range(self.num_stages) if self._hcg.get_rank_from_stage(s)
@@ -331,8 +326,7 @@ class PipelineParallel(nn.Module):
         return self._broadcast_final_loss()
 
     def _finish_schedule(self):
-        """Tied copies summed over their stages; with comm overlap every bucket issued in order,
-        agreed on over the job and waited and scaled (else: the step dropped, raised everywhere)."""
+        """Tie sums; with comm overlap every bucket issued in order, agreed, waited, scaled."""
         self._phase = Phase.SCHEDULED
         if self._shared:
             self._shared.allreduce_shared_weight_gradients()
@@ -427,8 +421,7 @@ class PipelineParallel(nn.Module):
             self.lr_scheduler.step()
 
     def _agree_on_step(self):
-        """Beyond Paddle: each stage reduces and agrees on its grads, then one agreement over the
-        job: a step refused on one stage is refused on all, every buffer released; then the clip."""
+        """Beyond Paddle: each stage reduces and agrees; a refusal anywhere drops it everywhere."""
         params = list(self._layers.parameters())
         try:
             self._reduce_for_step(params)
@@ -446,8 +439,7 @@ class PipelineParallel(nn.Module):
             self._grad_clip([(p, _grad(p)) for p in params], groups, self._device())
 
     def _reduce_for_step(self, params):
-        """Paddle's delay_scale_loss (in place), then HybridParallelOptimizer's reduce: the
-        sharding optimizer's first half, or a plain optimizer's dp all-reduce (agreed)."""
+        """delay_scale_loss, then HybridParallelOptimizer's reduce (sharding's or the dp one)."""
         for g in [_grad(p) for p in params] if self._delay_scale_loss else ():
             if g is not None:  # in place: Paddle's `grad.scale(1/acc)` rebinds the grad
                 g.mul_(1.0 / self.accumulate_steps)
@@ -492,32 +484,28 @@ class PipelineParallel(nn.Module):
     def _device(self):
         return comm_device(self._layers.parameters(), self._hcg.get_pipe_parallel_group())
 
-    # Named operations (Megatron's), each one batched exchange with the neighbours:
-    # activations go to the next stage, their grads come back from it.
+    # Named operations (Megatron's), each one batched exchange with the neighbours: `out`
+    # (an activation) goes to the next stage and its grad comes back from there (None on the
+    # last stage); `in_grad`, the grad of this stage's input, goes to the previous stage,
+    # whose next activation comes back (the data, `first_stage_input`, on the first stage).
 
     def send_forward(self, out: torch.Tensor) -> None:
-        """`out` to the next stage (nothing on the last)."""
         self._p2p(send_next=self._unless_last(out))
 
     def recv_forward(self, first_stage_input: torch.Tensor) -> torch.Tensor:
-        """The previous stage's activation (the data on the first stage)."""
         return self._p2p(recv_prev=True, fallback=first_stage_input)
 
     def send_forward_recv_backward(self, out: torch.Tensor) -> torch.Tensor | None:
-        """`out` to the next stage, and its grad back from there (None on the last)."""
         return self._p2p(send_next=self._unless_last(out), recv_next=out)
 
     def send_backward_recv_forward(self, in_grad: torch.Tensor | None,
                                    first_stage_input: torch.Tensor) -> torch.Tensor:
-        """`in_grad` to the previous stage, and its next activation from there."""
         return self._p2p(send_prev=in_grad, recv_prev=True, fallback=first_stage_input)
 
     def send_backward(self, in_grad: torch.Tensor | None) -> None:
-        """`in_grad`, the grad of this stage's input, to the previous stage."""
         self._p2p(send_prev=in_grad)
 
     def recv_backward(self, out: torch.Tensor) -> torch.Tensor | None:
-        """The grad of `out` from the next stage (None on the last)."""
         return self._p2p(recv_next=out)
 
     def _unless_last(self, out):

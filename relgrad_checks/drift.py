@@ -145,7 +145,8 @@ def heading_anchors(text):
 
 _RANGES = r"`([\w/]+\.py):((?:\d+-\d+)(?:, \d+-\d+)*)`"
 _ROW = re.compile(r"^\| (\d+) \| (.*?) \| (.*?) \| `([\w/]+\.py): ([\w.]+)` \| " + _RANGES
-                  + r" \|$", re.M)
+                  + r" \| ?(.*?) ?\|$", re.M)
+_READ = re.compile(r"`([\w.]+)` (\d+-\d+)")  # "read with": a name and its range, the row's file
 
 
 def _parse_ranges(text):
@@ -157,10 +158,21 @@ def _format_ranges(ranges):
 
 
 def hunk_rows(readme):
-    """[(row number, hunk text, file, qualified name, [(first, last)...], range file)] of the
-    README's hunk table ("Read it beside the diff")."""
+    """[(row number, hunk text, file, qualified name, [(first, last)...], range file, read
+    with)] of the README's hunk table ("Read it beside the diff")."""
     return [(int(m.group(1)), m.group(2), m.group(4), m.group(5), _parse_ranges(m.group(7)),
-             m.group(6)) for m in _ROW.finditer(readme)]
+             m.group(6), m.group(8)) for m in _ROW.finditer(readme)]
+
+
+def read_with_range(file, name):
+    """(first, last) of `name` in `file`: a qualified name, or a method of one of its classes."""
+    found = actual_range(file, name)
+    if found is not None:
+        return found
+    for node in ast.parse((REPO / file).read_text()).body:
+        if isinstance(node, ast.ClassDef) and actual_range(file, f"{node.name}.{name}"):
+            return actual_range(file, f"{node.name}.{name}")
+    return None
 
 
 def actual_range(file, qualname):
@@ -237,7 +249,13 @@ def check_hunk_row(row):
     """Why a row of the hunk table does not match the code, or None: `file: qualname` must
     exist, and the cited ranges must be the hunk's own lines (`hunk_range`), from its
     `Seed hunk` marks (a reconstructed point N: `Seed hunk (reconstructed, point N)`)."""
-    number, hunk, file, qualname, ranges, range_file = row
+    number, hunk, file, qualname, ranges, range_file, read_with = row
+    for name, cited in _READ.findall(read_with):
+        actual = read_with_range(file, name)
+        if actual is None:
+            return f"row {number}: read with `{name}`: {file} has none"
+        if _parse_ranges(cited) != [actual]:
+            return f"row {number}: read with `{name}` cites {cited}, it is at {_format_ranges([actual])}"
     if range_file != file:
         return f"row {number}: range cites {range_file}, the method is in {file}"
     if actual_range(file, qualname) is None:
@@ -261,7 +279,14 @@ def fix_ranges(readme):
             return m.group(0)
         start, end = m.span(7)[0] - m.start(), m.span(7)[1] - m.start()
         row = m.group(0)
+        read_with = _READ.sub(lambda r: _read_fixed(m.group(4), r), m.group(8))
+        read_start, read_end = m.span(8)[0] - m.start(), m.span(8)[1] - m.start()
+        row = row[:read_start] + read_with + row[read_end:]
         return row[:start] + _format_ranges(actual) + row[end:]
+
+    def _read_fixed(file, r):
+        actual = read_with_range(file, r.group(1))
+        return r.group(0) if actual is None else f"`{r.group(1)}` {_format_ranges([actual])}"
     return _ROW.sub(fixed, readme)
 
 
