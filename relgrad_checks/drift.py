@@ -7,6 +7,7 @@ of the README's hunk table (the method's lines as `ast` sees them, holding its `
 mark). Pure file reading, no process is started.
 """
 import ast
+import functools
 import importlib
 import re
 from pathlib import Path
@@ -175,12 +176,24 @@ def read_with_range(file, name):
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(source):
+    """`ast.parse(source)`, once per text: the hunk table's rows read 4 files some 60 times
+    (only read, never changed)."""
+    return ast.parse(source)
+
+
+@functools.lru_cache(maxsize=None)
+def _statements(source):
+    return [n for n in ast.walk(_tree(source)) if isinstance(n, ast.stmt)]
+
+
 def actual_range(file, qualname):
     """(first, last) line of `qualname` in `file`, as `ast` sees it: a function or class from
     its first decorator to its end; a class attribute from the comment block above it to its
     last line."""
     source = (REPO / file).read_text()
-    node = ast.parse(source)
+    node = _tree(source)
     for part in qualname.split("."):
         children = [n for n in ast.iter_child_nodes(node) if (
             isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
@@ -216,7 +229,7 @@ def hunk_range(file, qualname, mark):
     if any("the whole method" in lines[n - 1] for n in marks) or mark not in lines[
             whole[0] - 1] and _is_field(source, qualname):
         return [whole]
-    statements = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.stmt)]
+    statements = _statements(source)
     ranges = []
     for n in marks:
         if ranges and n <= ranges[-1][1]:
@@ -230,7 +243,7 @@ def hunk_range(file, qualname, mark):
 
 
 def _is_field(source, qualname):
-    node = ast.parse(source)
+    node = _tree(source)
     for part in qualname.split("."):
         node = next((n for n in ast.iter_child_nodes(node) if getattr(n, "name", None) == part
                      or getattr(getattr(n, "target", None), "id", None) == part), None)
