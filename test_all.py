@@ -1720,13 +1720,19 @@ def test_cli_help_free_grads_and_step_time_verdict(capsys):
     assert time_ratio([1.0] * 3, [2.0] * 3)["verdict"] == "on is faster than off"
 
 
-def test_demo_vpp_phases_and_tied_params(tmp_path):
+def test_demo_vpp_phases_and_tied_params(ranks, capsys, monkeypatch):
     """Check the demo with --vpp 2 fills every phase row, and its param count is the one
-    process LM's with the tied embedding / head counted once."""
+    process LM's with the tied embedding / head counted once (its command line run in this
+    process, its 4 ranks on the pool's)."""
     from relgrad_demo.lm import Corpus, lm_layers
-    result = _run_json([sys.executable, "relgrad.py", "--json", "--vpp", "2", "--steps", "2",
-                        "--layers", "2", "--d-model", "16", "--block", "16",
-                        "--micro-batch-size", "1"])
+    # `python relgrad.py` is `sys.exit(main())` (the main job runs it as a process); here its
+    # ranks run on the pool's 4, not on 4 the launcher would start (a forkserver of its own
+    # importing torch first)
+    monkeypatch.setattr(launcher, "launch",
+                        lambda fn, world, args, timeout: ranks(world).run(fn, *args))
+    assert cli.main(["--json", "--vpp", "2", "--steps", "2", "--layers", "2", "--d-model", "16",
+                     "--block", "16", "--micro-batch-size", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)  # exactly one JSON object on stdout
     assert len(result["modes"]["on"]["phase_bytes"]) == 4
     for mode in ("off", "on"):
         for row in result["modes"][mode]["phase_bytes"]:
