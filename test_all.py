@@ -10,6 +10,8 @@ raises, or a scenario that outlives its timeout, fails its test and kills the wh
 is rebuilt for the next test, so no test inherits a rank stuck in a collective. Each scenario
 asserts against something independent: a per-parameter collective done by hand, one process
 training the same model on the whole batch (the oracle), and release off vs on (bitwise).
+The runs that need processes of their own (the main job, torchrun's) start with the session,
+one after another, beside the tests (`started_runs`).
 """
 import ast
 import json
@@ -17,8 +19,10 @@ import math
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -642,6 +646,120 @@ def _run_json(cmd):
     return json.loads(done.stdout)  # exactly one JSON object on stdout
 
 
+# ---- the runs in processes of their own, started with the session
+
+class _Runs:
+    """Commands run from the repo root in processes of their own, one after another in the
+    order given, by a thread started with them. `specs`: [(name, command, timeout, merged)];
+    with `merged` a run's stderr goes to its stdout; `folder`: where they write files. A run
+    still going `timeout` seconds after it started is ended, with every process it started,
+    and fails the test that reads it."""
+
+    def __init__(self, specs, folder):
+        self._specs, self._results, self._proc, self._stopped = specs, {}, None, False
+        self.folder = folder
+        self._done = {name: threading.Event() for name, *_ in specs}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run_all, daemon=True)
+        self._thread.start()
+
+    def _run_all(self):
+        for name, cmd, timeout, merged in self._specs:
+            with self._lock:
+                if self._stopped:
+                    break
+                self._proc = subprocess.Popen(  # its own process group: ended whole
+                    cmd, cwd=str(Path(__file__).parent), text=True, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+                    start_new_session=True)
+            timed_out = False
+            try:
+                out, err = self._proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                self._end()
+                out, err = self._proc.communicate()
+            self._results[name] = (timed_out, self._proc.returncode, out, err, time.time())
+            self._done[name].set()
+
+    def _end(self):
+        if hasattr(os, "killpg"):
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)  # its ranks, forkserver too
+            except ProcessLookupError:
+                pass
+        else:
+            self._proc.kill()
+
+    def result(self, name):
+        """(returncode, stdout, stderr (None if merged), the time.time() it ended) of run
+        `name`, once it has ended; fails the test if it ran past its timeout."""
+        self._done[name].wait()
+        timed_out, code, out, err, ended = self._results[name]
+        spec = next(spec for spec in self._specs if spec[0] == name)
+        assert not timed_out, f"{spec[1]} still running after {spec[2]} s; ended it"
+        return code, out, err, ended
+
+    def json(self, name):
+        """The one JSON object run `name` printed on stdout; fails the test with the run's
+        stderr unless it exited 0."""
+        code, out, err, _ = self.result(name)
+        assert code == 0, err
+        return json.loads(out)  # exactly one JSON object on stdout
+
+    def stop(self):
+        """End the run going, if any, and start no other."""
+        with self._lock:
+            self._stopped = True
+            if self._proc is not None and self._proc.poll() is None:
+                self._end()
+        self._thread.join()
+
+
+_MAIN_JOB_FILES = ("trace.json", "step.png")
+
+
+def _run_specs(out):
+    """[(fixture name, command, timeout, merged)]: each run, in the order the tests read them,
+    for the fixture of that name; the main job writes its _MAIN_JOB_FILES in `out`."""
+    trace, png = (str(out / name) for name in _MAIN_JOB_FILES)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    return [
+        ("main_job", [sys.executable, "relgrad.py", "--json", "--steps", "6", "--layers", "2",
+                      "--d-model", "128", "--block", "32", "--micro-batch-size", "2",
+                      "--trace", trace, "--plot", png], TIMEOUT, False),
+        ("torchrun_job", torchrun + ["2", "relgrad.py", "--json", "--pp", "2", "--sharding", "1",
+                                     "--steps", "3", "--layers", "2", "--block", "32"],
+         TIMEOUT, False),
+        ("torchrun_failing_job", torchrun + ["4", "-m", "relgrad_checks.torchrun_failure",
+                                             "pp2-sharding2-v2"], 240, True)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def started_runs(request, tmp_path_factory):
+    """The `_Runs` of the runs in processes of their own that the selected tests read
+    (through the fixture of the run's name), started as the session starts. Each run spends
+    seconds importing torch in a process or three, one core each, before it computes: run
+    from the start, one after another, that goes on beside the tests before the one that
+    reads the run (much of the time they leave a core idle), and that test waits only for
+    what is left of it. The recipes' launcher process (the test_recipe_* tests,
+    relgrad_checks/recipes.py) starts here too, for its torch import."""
+    items = request.session.items
+    wanted = {name for item in items for name in item.fixturenames}
+    if any(item.name.startswith("test_recipe_") for item in items):
+        recipes._launcher()
+    if "ranks" in wanted and launcher._START_METHOD == "forkserver":
+        # the pools' forkserver up first (its torch import, beside the launcher's): the first
+        # test waits for it, and the runs would slow it down
+        warm = _RANK_CONTEXT.Process(target=os.getpid)
+        warm.start()
+        warm.join()
+    out = tmp_path_factory.mktemp("runs")
+    runs = _Runs([spec for spec in _run_specs(out) if spec[0] in wanted], out)
+    yield runs
+    runs.stop()
+
+
 # The --json schema (relgrad_demo/report.py): keys of the object and of each mode.
 _TOP_KEYS = {"config", "stages", "phases", "baseline", "modes", "bitwise_equal"}
 _MODE_KEYS = {"losses", "grad_norms", "idle_bytes_allocator", "idle_grad_bytes_counted",
@@ -672,17 +790,14 @@ def _check_schema(result, world, steps, plot=False):
 
 
 @pytest.fixture(scope="session")
-def main_job(tmp_path_factory):
+def main_job(started_runs):
     """The main job run once, in its default layout (pp 2 x sharding 2, 4 ranks) on a smaller
     LM, for test_main_job_json and test_main_job_plot: (the --json result, the --trace file,
     the --plot file). 6 steps: an idle median over steps 2-6, an eval pass after step 5 and a
-    falling loss. If the run fails, each test that reads it fails with the run's stderr."""
-    out = tmp_path_factory.mktemp("main_job")
-    trace, png = out / "trace.json", out / "step.png"
-    result = _run_json([sys.executable, "relgrad.py", "--json", "--steps", "6", "--layers", "2",
-                        "--d-model", "128", "--block", "32", "--micro-batch-size", "2",
-                        "--trace", str(trace), "--plot", str(png)])
-    return result, trace, png
+    falling loss. Started with the session (`started_runs`). If the run fails, each test that
+    reads it fails with the run's stderr."""
+    return (started_runs.json("main_job"),
+            *(started_runs.folder / name for name in _MAIN_JOB_FILES))
 
 
 def test_main_job_json(main_job):
@@ -798,13 +913,18 @@ def test_main_job_plot(main_job):
         assert freed and min(freed) <= release
 
 
-def test_torchrun_json():
+@pytest.fixture(scope="session")
+def torchrun_job(started_runs):
+    """The --json result of `relgrad.py --pp 2 --sharding 1` (3 steps) run by torchrun on 2
+    processes, started with the session (`started_runs`)."""
+    return started_runs.json("torchrun_job")
+
+
+def test_torchrun_json(torchrun_job):
     """Check `relgrad.py` joins a torchrun job (the several-machines path) and reports the
     effective config: pp 2 without sharding or dp has no overlap and no fused buffers; release
     on and off train to the same losses and params, and off holds an fp32 grad per param."""
-    result = _run_json([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", "2", "relgrad.py", "--json", "--pp", "2",
-                        "--sharding", "1", "--steps", "3", "--layers", "2", "--block", "32"])
+    result = torchrun_job
     _check_schema(result, 2, 3)
     off, on = result["modes"]["off"], result["modes"]["on"]
     assert result["stages"] == [0, 1]
@@ -1532,19 +1652,23 @@ def test_failure_moved_grad_on_one_stage(ranks):
         _assert_bitwise(rebound, plain)
 
 
-def test_torchrun_ends_the_job_when_a_stage_fails():
+@pytest.fixture(scope="session")
+def torchrun_failing_job(started_runs):
+    """(returncode, output, the time.time() it ended) of torchrun on 4 processes running
+    `relgrad_checks/torchrun_failure.py pp2-sharding2-v2`, started with the session
+    (`started_runs`)."""
+    code, out, _, ended = started_runs.result("torchrun_failing_job")
+    return code, out, ended
+
+
+def test_torchrun_ends_the_job_when_a_stage_fails(torchrun_failing_job):
     """Check that a stage whose loss raises mid-schedule (pp 2 x sharding 2 v2 under the
     pipeline's overlap; groups' timeout 300 s) ends the whole torchrun job within seconds,
     with the failing rank's error in torchrun's output. One job covers pp 2 alone too: the
     failing rank 3's pipe peer, rank 1, waits in the pipe's p2p as stage 0 of a pp 2 job
     does, its sharding peer, rank 2, in the sharding overlap's collective."""
-    run = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         "-m", "relgrad_checks.torchrun_failure", "pp2-sharding2-v2"],
-        cwd=Path(__file__).parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = run.communicate(timeout=240)[0]
-    ended = time.time()
-    assert run.returncode != 0, out[-2000:]
+    code, out, ended = torchrun_failing_job
+    assert code != 0, out[-2000:]
     assert "RuntimeError: injected loss failure on global rank 3" in out, out[-3000:]
     failed = [float(m) for m in re.findall(r"failing at ([0-9.]+)", out)]
     assert len(failed) == 1 and ended - failed[0] < 30, ended - failed[0]
