@@ -632,7 +632,7 @@ class FusedCommBuffer:
 
     @torch.no_grad()
     def scale_grads(self, agree_in_flight: bool = True) -> None:
-        """Wait, scale what this rank reads by 1/nranks, reset; `agree_in_flight`: IN_FLIGHT_RULE."""
+        """Wait, scale what this rank reads by 1/nranks, reset; agree_in_flight: IN_FLIGHT_RULE."""
         if self._task is None:
             raise RuntimeError(f"bucket {self._id}: no collective in flight, nothing to wait for:"
                                f" {self._check_in_status()} (a param without grads never checks"

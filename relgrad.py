@@ -334,8 +334,8 @@ class _Wrapper(torch.optim.Optimizer):
         if hasattr(self, "grad_scale"):  # set by GradScaler.step(), None after unscale_()
             del self.grad_scale, self.found_inf  # GradScaler deletes them only after a step
             raise ValueError("torch.amp.GradScaler cannot drive this optimizer (it checks each "
-                             "rank's grads before the reduce): clear the grads; under bf16 autocast "
-                             "drop the scaler (bf16 params: fp32 main grads)")
+                             "rank's grads before the reduce): clear the grads; under bf16 "
+                             "autocast drop the scaler (bf16 params: fp32 main grads)")
         getattr(self._inner_opt, "check_template", lambda: None)()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

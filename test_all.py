@@ -1620,8 +1620,8 @@ def test_setup_mismatch_raises_on_every_rank(ranks):
     for name, text in msgs0:
         assert "global rank(s) [0]" in text and "global rank(s) [1]" in text, (name, text)
     assert "hyper-parameters" in msgs0[0][1] and "torch optimizer" in msgs0[1][1]
-    assert "param_groups[0]['lr'] differs across ranks: '0.01' on global rank(s) [0], '0.02' on global " \
-        "rank(s) [1]" in msgs0[0][1]  # what differs
+    assert "param_groups[0]['lr'] differs across ranks: '0.01' on global rank(s) [0], '0.02' on " \
+        "global rank(s) [1]" in msgs0[0][1]  # what differs
     assert "selects DygraphShardingOptimizer" in msgs0[2][1]
     assert "params (shape" in msgs0[4][1]
     assert len(start0) == len(start1) == 6
@@ -1630,7 +1630,7 @@ def test_setup_mismatch_raises_on_every_rank(ranks):
     assert any(not torch.equal(a, b) for a, b in zip(seed0, seed1))  # they did differ
     for a, b, want in zip(start0, start1, seed0):
         assert torch.equal(a, want) and torch.equal(b, want)
-# ---------------------------------------------------------------- issue 18: failures end alike
+# ---------------------------------------------------------------- failures end alike on every rank
 
 def _same_error(seen, world, match):
     """Assert every one of `world` ranks raised, the same type, and the text matches."""
@@ -1762,7 +1762,7 @@ def test_resumed_scheduler_under_pipeline(ranks, version):
         assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-# ---------------------------------------------------------------- issue 18: the command line
+# ---------------------------------------------------------------- the command line
 
 @pytest.mark.parametrize("args, message", [
     (["--trace", "/no/such/dir/t.json"], "--trace /no/such/dir/t.json: cannot write a file "
@@ -2149,7 +2149,7 @@ def test_cli_timeout_reaches_init_process_group(monkeypatch):
     assert (seen["device_id"] is None) == (want == "gloo"), seen
 
 
-# ---------------------------------------------------------------- issue 25: real training scripts
+# ---------------------------------------------------------------- real training scripts
 
 def test_zero_grad_in_flight_own_overlap(ranks):
     """Check that zero_grad() between backward and step() under sharding's own overlap (v1,
@@ -2550,7 +2550,7 @@ def test_plain_torch_grouping_noise():
     assert max(moved(autocast, train(g, autocast=True, clip=1.0)) for g in (2, 4)) > 1e-4
 
 
-# ---------------------------------------------------------------- a step that fails: every rank alike, then an exact recovery
+# ---------------------------------------- a refused step: every rank alike, then an exact recovery
 
 def _same_text(seen, world, *words):
     """Every rank raised the same ValueError, one text, containing each of `words`."""
@@ -2581,8 +2581,8 @@ def _check_recovered(results, world, *words):
 
 @pytest.mark.parametrize("family", ["dp", "sharding"])
 def test_lr_on_one_stage_refused_on_every_rank(ranks, family):
-    """Check that an lr set 1.25x by hand on one rank of stage 1 (pp 2 x dp 2 with dp overlap off / on;
-    pp 2 x sharding 2, v1 / v2, sharding overlap off / on; release off / on) makes train_batch
+    """Check that an lr set 1.25x by hand on one rank of stage 1 (pp 2 x dp 2 with dp overlap off /
+    on; pp 2 x sharding 2, v1 / v2, sharding overlap off / on; release off / on) makes train_batch
     raise the same ValueError on all 4 ranks naming the lr, steps nothing, frees the buffers,
     and that with the lr set back and the grads cleared training matches one process that
     skipped that batch (1e-6; the lr changes params by ~1e-3)."""
@@ -2702,7 +2702,7 @@ def test_lone_weight_bucket_matches_one_process(ranks, world):
             _bitwise(params, want)
 
 
-# ---------------------------------------------------------------- the loops people already run: DDP's and train.py's habits
+# ---------------------------------------- the loops people already run: DDP's and train.py's habits
 
 def _by_case(results, world, count):
     """{case: [each rank's value]} of `world` ranks' {case: value}, `count` cases each."""
