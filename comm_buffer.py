@@ -88,13 +88,10 @@ class ShardingGradView:
 @torch.no_grad()
 def build_reduce_scatter_buffer(params: list, sharding_degree: int, rank: int,
                                 use_main_grad: bool = False, release_grad: bool = False) -> tuple:
-    """Lay out a REDUCE_SCATTER bucket; move `params` into one flat param buffer.
-
-    Each param pads to a multiple of `unit = (256 / elem_size) * sharding_degree` elements, so
-    every shard starts on a 256-byte boundary. bf16 params of 300, 1000 and 20 elements on 4
-    ranks: unit 512, padded 512, 1024, 512, shard 512; the second straddles ranks 1 and 2.
-    Returns `(views, total, param_buffer, grad_buffer)`; the grad buffer is None with release.
-    """
+    """Lay out a REDUCE_SCATTER bucket; move `params` into one flat param buffer. Each param
+    pads to a multiple of `unit = (256 / elem_size) * sharding_degree` elements: bf16 params of
+    300, 1000, 20 elements on 4 ranks pad to 512, 1024, 512 (shard 512). Returns `(views, total,
+    param_buffer, grad_buffer)`; the grad buffer is None with release."""
     dtype, device = params[0].dtype, params[0].device
     unit = ALIGNMENT_BYTES // dtype.itemsize * sharding_degree
     padded = [(p.numel() + unit - 1) // unit * unit for p in params]
@@ -114,13 +111,9 @@ def build_reduce_scatter_buffer(params: list, sharding_degree: int, rank: int,
 @torch.no_grad()
 def flatten_dense_tensors(params: list, use_main_grad: bool = False, fuse_param: bool = False,
                           release_grad: bool = False) -> tuple:
-    """Lay out an ALL_REDUCE / REDUCE bucket and allocate its storage (Paddle's name).
-
-    A slot is the param's numel padded to 256 bytes in the *param* dtype, also for fp32 main
-    grads (bf16, 1000 elements: 48 B of padding, a slot of 1024 elements). With `release_grad`
-    only the layout; else `zeros(buffer_size)`, each grad the view of its slot (`fuse_param`:
-    params too). Returns `(param_storage, grad_storage, buffer_size, param2offset)`.
-    """
+    """Lay out an ALL_REDUCE / REDUCE bucket (Paddle's name): each slot padded to 256 bytes in
+    the *param* dtype (bf16, 1000 elements: a slot of 1024). Without `release_grad` allocate it,
+    each grad a view of its slot. Returns `(param_storage, grad_storage, size, param2offset)`."""
     size, param2offset = 0, {}
     for p in params:
         pad_bytes = -p.numel() * p.element_size() % ALIGNMENT_BYTES
@@ -178,8 +171,7 @@ def broadcast_each(tensors: Iterable, group: dist.ProcessGroup | None = None,
 
 
 def broadcast_buffers(module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """DDP's `broadcast_buffers=True`: `module`'s buffers (BatchNorm's running stats) from the
-    first rank of `group`, in place; call it before each step's first forward and an eval."""
+    """DDP's `broadcast_buffers=True`: `module`'s buffers from `group`'s first rank, in place."""
     broadcast_each(module.buffers(), group)
 
 
@@ -200,8 +192,7 @@ def densify_grads(params: list) -> None:
 
 
 def sums_in_16_bits(dtype: torch.dtype) -> bool:
-    """bf16 / fp16 sums divide by the ranks first (differs from the seed: a 16-bit sum can
-    overflow where the mean fits, fp16 40000 + 30000 = inf; as DDP, and Paddle's later AVG)."""
+    """16-bit sums divide by the ranks first (differs from the seed: fp16 40000 + 30000 = inf)."""
     return dtype.is_floating_point and dtype.itemsize < 4
 
 
@@ -262,11 +253,8 @@ def agree(groups: list, problems: list | tuple = (), same: list | tuple = (),
           timeout: datetime.timedelta | None = None, via_store: bool = False,
           title: str | None = None) -> list:
     """Beyond Paddle: agree over every rank of `groups` (in turn; None = WORLD); `flags` OR-ed.
-
-    `problems`: `[(rule, detail)]`, detail what this rank saw or None; `same`: `[(name, value)]`,
-    equal wherever not None (a dict: each item). One MAX all-reduce (`via_store`: the store); if
-    anything is flagged, every rank raises the same ValueError. `timeout`: TimeoutError, `.absent`.
-    """
+    `problems`: `[(rule, detail or None)]`; `same`: `[(name, value)]`, equal where not None. One
+    MAX all-reduce (or the store); if any is flagged every rank raises the same ValueError."""
     values = {}
     for name, value in same:  # a dict value stands for each of its items
         if isinstance(value, dict):
@@ -396,12 +384,9 @@ _ADDRESS_MSG = ("The address of the grad/main_grad of {name} changed between two
 
 class FusedCommBuffer:
     """One bucket's fused grad buffer and its collective (Paddle's `FusedCommBuffer`).
-
-    `params`: trainable, one dtype; `acc_steps`: micro-batches per step; `dst`: REDUCE's owner
-    (a global rank). `grad_storage`: 1-D, `buffer_size` elements, None while released. A step:
-    `acc_steps` backwards through `bw_hook_func` hooks, `scale_grads()`, the optimizer step,
-    then zero the grads (release off) or drop them and `release()`.
-    """
+    `params`: trainable, one dtype; `acc_steps`: micro-batches per step; `dst`: REDUCE's owner.
+    `grad_storage`: 1-D, `buffer_size` elements, None while released. A step: `acc_steps`
+    backwards, `scale_grads()`, the optimizer step, then zero the grads or `release()`."""
 
     def __init__(self, id: int, params: Iterable, comm_group: dist.ProcessGroup | None,
                  acc_steps: int = 1, act: int | None = None, dst: int = -1,
@@ -411,7 +396,6 @@ class FusedCommBuffer:
         if fuse_param and release_grads:
             raise ValueError("FusedCommBuffer: fuse_param=True and release_grads=True cannot be "
                              "used together (as in Paddle)")
-
         params = list(params)
         _check_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param,
                            use_main_grad)  # beyond Paddle's asserts (skippable)
@@ -443,8 +427,7 @@ class FusedCommBuffer:
 
     @torch.no_grad()
     def _agree_on_layout(self):
-        """Every rank of comm_group built this bucket alike (shapes, dtypes); an ALL_REDUCE
-        bucket's params then start from the group's first rank, as DDP's."""
+        """Every rank built this bucket alike; ALL_REDUCE params from the first rank (DDP's)."""
         shapes = {}
         for i, p in enumerate(self._params):
             shapes[f"param #{i} (shape, dtype)"] = (tuple(p.shape), str(p.dtype))
@@ -519,8 +502,7 @@ class FusedCommBuffer:
             if param in self._index:
                 what = self.name(param)
             raise ValueError(f"add_grad: {what} is not in bucket {self._id}, or checked in more "
-                             f"than acc_steps={self._acc_steps} times this step (acc_steps: the "
-                             "micro-batches per step; end each step with scale_grads())")
+                             f"than acc_steps={self._acc_steps} (micro-batches) times this step")
         if self.use_main_grad and param.grad is not None:
             raise ValueError(f"add_grad: {self.name(param)} still has its low-precision grad: "
                              "register_main_grad_hooks before the buffer's hooks")
@@ -544,8 +526,7 @@ class FusedCommBuffer:
 
     @torch.no_grad()
     def _copy_grad_to_buffer(self, param):
-        """Release, at the param's first check-in of a step: allocate the buffer if absent, add
-        the grad into its slot, re-point the grad at the slot (later ones accumulate there)."""
+        """Release, first check-in: allocate if absent, add the grad in, re-point it there."""
         _fill_grad(param, self.use_main_grad)  # beyond Paddle (skippable): sparse, None grads
         # Seed hunk (reconstructed, point 3): allocate if absent, add the first grad in
         if self._params_step_dict[param] > 0:
@@ -564,8 +545,7 @@ class FusedCommBuffer:
 
     @torch.no_grad()
     def _clear_grad_storage(self):
-        """Release: drop the grad buffer and, beyond Paddle, the grads aliasing it (torch frees
-        a storage with its last reference; Paddle's `_clear_dataptr()` frees it outright)."""
+        """Release: drop the buffer and, beyond Paddle, the grads aliasing it (they pin it)."""
         if not self._release_grads:
             raise RuntimeError(f"bucket {self._id}: built with release_grads=False: its grad "
                                "buffer must persist; zero the grads in place")
@@ -634,9 +614,8 @@ class FusedCommBuffer:
     def scale_grads(self, agree_in_flight: bool = True) -> None:
         """Wait, scale what this rank reads by 1/nranks, reset; agree_in_flight: IN_FLIGHT_RULE."""
         if self._task is None:
-            raise RuntimeError(f"bucket {self._id}: no collective in flight, nothing to wait for:"
-                               f" {self._check_in_status()} (a param without grads never checks"
-                               " in; or scale_grads() ran already)")
+            raise RuntimeError(f"bucket {self._id}: no collective in flight to wait for: "
+                               f"{self._check_in_status()}")
         changed = "changed in flight" if self.changed_in_flight() else None
         try:
             if agree_in_flight:
@@ -731,8 +710,7 @@ def _check_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param, use_
 
 
 def _stages_full_copies(group, tensor):
-    """True on gloo, whose reduce-scatter and all-gather stage a full-size copy: the buffer
-    then runs an in-place all-reduce (the same sums, bitwise) and a broadcast per shard."""
+    """gloo stages a full copy in reduce-scatter: all-reduce (same sums) and broadcasts instead."""
     return _backend_for(dist.get_backend(group), tensor.device.type) == "gloo"
 
 

@@ -74,9 +74,8 @@ class PipelineParallel(nn.Module):
     """One pipeline stage of `layers`, trained with 1F1B (Paddle's `PipelineParallel`).
 
     `layers`: nn.Modules or zero-argument callables (Paddle's LayerDesc); stage s holds
-    `layers[b[s]:b[s+1]]` (`seg_boundaries` b; default an even split). `loss_fn(output, label)`:
-    a scalar. `shared_weights`: ties across stages, e.g. `[("0.tok.weight", "5.proj.weight")]`.
-    """
+    `layers[b[s]:b[s+1]]` (`seg_boundaries` b; default even). `loss_fn(output, label)`: a
+    scalar. `shared_weights`: ties across stages, e.g. `[("0.tok.weight", "5.proj.weight")]`."""
 
     _interleaved = False  # relgrad_extras.interleave: the schedule fires the buckets
 
@@ -126,20 +125,18 @@ class PipelineParallel(nn.Module):
         if self._dp_comm_overlap and self._sharding_comm_overlap:
             raise ValueError("pp_configs.dp_comm_overlap and sharding_comm_overlap cannot both be "
                              "on; turn one off")
-        for on, axis, degree in ((self._dp_comm_overlap, "dp", hcg.get_data_parallel_world_size()),
-                                 (self._sharding_comm_overlap, "sharding",
-                                  hcg.get_sharding_parallel_world_size())):
+        dp, sharding = hcg.get_data_parallel_world_size(), hcg.get_sharding_parallel_world_size()
+        for on, axis, degree in ((self._dp_comm_overlap, "dp", dp),
+                                 (self._sharding_comm_overlap, "sharding", sharding)):
             if on and not (degree > 1 and self.num_stages > 1):
                 raise ValueError(f"pp_configs.{axis}_comm_overlap needs {axis}_degree > 1 and "
-                                 f"pp_degree > 1; got {axis}_degree={degree}, "
-                                 f"pp_degree={self.num_stages}")
+                                 f"pp_degree > 1; got {degree} and {self.num_stages}")
         self._check_virtual_stages(num_virtual_stages)
 
     def _check_virtual_stages(self, num_virtual_stages):
         if num_virtual_stages != 1:
-            raise ValueError(f"pp_configs.num_virtual_pipeline_stages={num_virtual_stages} "
-                             "needs the interleaved schedule: build PipelineParallelWithInterleave"
-                             " (relgrad_extras.interleave)")
+            raise ValueError(f"pp_configs.num_virtual_pipeline_stages={num_virtual_stages}: build "
+                             "PipelineParallelWithInterleave (relgrad_extras.interleave)")
 
     def _check_untied_shares(self, layers, bounds, shared_weights):
         """Beyond Paddle: one Parameter in two stages' layers must be tied (raised alike)."""
@@ -165,7 +162,7 @@ class PipelineParallel(nn.Module):
         tied = extras("shared_weights", "PipelineParallel(shared_weights=...)")
         return tied.SharedWeights(self._layers, self._hcg, shared_weights, bounds, self._device())
 
-    def _build_layers(self, layers, seg_boundaries):
+    def _build_layers(self, layers, seg_boundaries):  # this stage's layers, every stage's bounds
         bounds = _cut_layers(layers, seg_boundaries, self.num_stages)
         return _build_segment(layers[bounds[self.stage_id] : bounds[self.stage_id + 1]]), bounds
 
@@ -177,8 +174,7 @@ class PipelineParallel(nn.Module):
     def fused_gradient(self, model: nn.Module, comm_group: dist.ProcessGroup | None,
                        acc_steps: int, dp: bool, param2rank: dict | None = None,
                        group_size: int = 128 * 1024 * 1024) -> None:
-        """Paddle's: hooked `FusedCommBuffer`s of `model` (chunk i of a ModuleList: index i):
-        ALL_REDUCE for dp, REDUCE to the owner (`param2rank`, v1), REDUCE_SCATTER for v2."""
+        """Paddle's: hooked buffers per chunk: ALL_REDUCE dp, REDUCE v1, REDUCE_SCATTER v2."""
         act = (HOOK_ACTION.ALL_REDUCE if dp else HOOK_ACTION.REDUCE_SCATTER
                if self._sharding_split_param else HOOK_ACTION.REDUCE)
         chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
@@ -221,8 +217,7 @@ class PipelineParallel(nn.Module):
     def train_batch(self, data: tuple, optimizer: torch.optim.Optimizer,
                     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                     grad_clip: Callable | None = None) -> torch.Tensor:
-        """1F1B over `data = (inputs, labels)` (batch on dim 0), then `_optimizer_step`; the
-        mean loss (0-d fp32) on every rank. `grad_clip`: a Paddle-style clip (plain optimizers)."""
+        """1F1B over `data = (inputs, labels)`, then `_optimizer_step`; the mean loss everywhere."""
         self._check_accumulation()  # before _prepare_training builds sharding buffers
         try:  # a stage that refuses to start tells the others at the entry agreement
             self._prepare_training(optimizer, lr_scheduler, grad_clip)
@@ -476,8 +471,7 @@ class PipelineParallel(nn.Module):
         if self._phase == Phase.SCHEDULED and (self._comm_overlap or ties):
             what = "comm overlap" if self._comm_overlap else "shared_weights"
             raise ValueError(f"forward_backward_pipeline ran again before the optimizer step: "
-                             f"with {what} each call reduces the grads; accumulate in one call "
-                             "(accumulate_steps micro-batches), or step between calls")
+                             f"with {what} each call reduces the grads; step between calls")
 
     # ---- point-to-point between neighbouring stages ----
 
@@ -564,8 +558,7 @@ class PipelineParallel(nn.Module):
     def _stage_timeout(self, what, who):
         return PipelineStageTimeout(
             f"stage {self.stage_id} (global rank {dist.get_rank()}): {what} within the pipe group's"
-            f" timeout of {self._p2p_timeout.total_seconds():g} s: {who} failed or stopped "
-            "answering (a failed rank's error is in the launcher's output)")
+            f" timeout of {self._p2p_timeout.total_seconds():g} s: {who} failed or stopped")
 
     def _meta(self, t):
         if t.dim() > _META_LEN - 2 or t.dtype not in _DTYPES:

@@ -93,9 +93,8 @@ class HybridStrategy:
     @property
     def hybrid_configs(self) -> dict:
         """Dict view, so code reads as Paddle's: `strategy.hybrid_configs["pp_configs"]`."""
-        return {"dp_degree": self.dp_degree, "pp_degree": self.pp_degree,
-                "sharding_degree": self.sharding_degree, "pp_configs": self.pp_configs,
-                "sharding_configs": self.sharding_configs}
+        names = ("dp_degree", "pp_degree", "sharding_degree", "pp_configs", "sharding_configs")
+        return {name: getattr(self, name) for name in names}
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ValueError unless the degrees multiply to `world_size` (ranks)."""
@@ -187,8 +186,7 @@ SET_DEVICE_FIX = ("add `torch.cuda.set_device(local_rank)` (local_rank = int(os.
 
 
 def device_problem(backend: str, param_devices: list, current_device: int | None) -> str | None:
-    """What is wrong, or None, with params on `param_devices` under `backend` while the current
-    CUDA device is `current_device` (NCCL runs there: another means no set_device). Pure."""
+    """Why params on `param_devices` cannot run NCCL on `current_device`, or None. Pure."""
     others = sorted({str(d) for d in param_devices if torch.device(d).type == "cuda"
                      and (torch.device(d).index or 0) != current_device})
     if _backend_for(backend, "cuda") != "nccl" or not others:
@@ -219,8 +217,7 @@ class Phase(enum.Enum):
 
 
 class GradMarks:
-    """Beyond Paddle: which params got a grad since `clear()` (by backward, through a hook, or
-    assigned by hand), and whether a grad changed in place after the backward that wrote it."""
+    """Beyond Paddle: which params got a grad since `clear()`, and which changed in place since."""
 
     def __init__(self, params: list) -> None:
         self.params, self._written, self._hooks, self._events = params, {}, {}, [0]
@@ -248,8 +245,7 @@ class GradMarks:
         return flags
 
     def changed_in_place(self) -> list:
-        """The params whose grad's version moved more since their last backward than later
-        backwards' adds can (views of one buffer share a version counter)."""
+        """Params whose grad's version moved more than the later backwards' adds explain."""
         changed = []
         for p in self.params:
             grad, seen = _grad(p), self._written.get(id(p))
@@ -260,8 +256,7 @@ class GradMarks:
 
 
 def _marker(written, events):
-    """A grad hook noting its param's grad (version, hook number, id); it holds no param and
-    no grad (a cycle through a tensor's hooks is never freed; a grad would stay alive)."""
+    """A grad hook noting (version, hook number, id) of its param's grad; it holds neither."""
     def mark(param):
         written[id(param)] = (_grad(param)._version, events[0], id(_grad(param)))
         events[0] += 1
@@ -316,11 +311,9 @@ class _Wrapper(torch.optim.Optimizer):
 
     def _expose(self, inner):
         self.defaults = inner.defaults
-        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                     "_optimizer_load_state_dict_pre_hooks",
-                     "_optimizer_load_state_dict_post_hooks"):  # what Optimizer.__init__ makes
-            setattr(self, name, OrderedDict())
+        for kind in ("step", "state_dict", "load_state_dict"):  # what Optimizer.__init__ makes
+            setattr(self, f"_optimizer_{kind}_pre_hooks", OrderedDict())
+            setattr(self, f"_optimizer_{kind}_post_hooks", OrderedDict())
         self._patch_step_function()  # torch's step pre / post hooks around our step()
 
     def __getstate__(self):
@@ -370,8 +363,7 @@ def new_params(params: torch.Tensor | Iterable, known: list) -> list:
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     ids = [id(p) for p in params]
     if len(set(ids)) < len(ids) or set(ids) & {id(p) for p in known}:
-        raise ValueError("some params are already in the optimizer (or repeated); a param "
-                         "belongs to one group")
+        raise ValueError("some params are already in the optimizer (or repeated)")
     return params
 
 
@@ -380,8 +372,7 @@ def _hyper(group):
 
 
 class MixPrecisionOptimizer(_Wrapper):
-    """Step `optimizer`'s class on fp32 masters of the bf16 / fp16 targets (params or v2
-    slices, `params`: per group), fed `main_grad` (else the grad), copied back after."""
+    """Paddle's: `optimizer`'s class steps fp32 masters of 16-bit targets (`params` per group)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list | None = None) -> None:
         if carries_state(optimizer):  # the sharding wrappers agree on this first
@@ -408,9 +399,8 @@ class MixPrecisionOptimizer(_Wrapper):
             changed = {k: (built.get(k), v) for k, v in _hyper(group).items()
                        if built.get(k) != v and k != "initial_lr"}
             if changed:
-                raise ValueError(f"the torch optimizer changed after wrapping (group {i}, "
-                                 f"(built, now): {changed}); the wrapper steps with its own "
-                                 "param_groups. Build the scheduler on the wrapper")
+                raise ValueError(f"the torch optimizer changed after wrapping (group {i}, (built, "
+                                 f"now): {changed}). Build the scheduler on the wrapper")
 
     def add_param_group(self, param_group: dict) -> None:
         self._inner_opt.add_param_group(self._master_group(param_group, param_group["params"]))

@@ -5,9 +5,8 @@ Mirrors `dygraph_sharding_optimizer.py` (fleet/meta_optimizers/dygraph_optimizer
 steps, the params are broadcast. v2 (`split_param`) makes each bucket one flat padded buffer
 with a shard per rank: grads are reduce-scattered, the slices stepped, the buffer all-gathered.
 With release the grad buffers live from a step's first grad to `clear_grad`. Phases of
-`step()`: agree -> reduce -> dp all-reduce -> clip -> step -> broadcast / all-gather.
-Sections: helpers; the bucket scheduler; what v1 and v2 share; v1; v2. Rules: docs/contract.md.
-Leaves out: v1's fused params, offload, color sharding, GradScaler.
+`step()`: agree -> reduce -> dp all-reduce -> clip -> step -> broadcast / all-gather. Rules:
+docs/contract.md. Leaves out: v1's fused params, offload, color sharding, GradScaler.
 References: Paddle PRs #59739, #58462, #64517; Rajbhandari et al., "ZeRO" (2020).
 """
 from __future__ import annotations
@@ -90,9 +89,8 @@ def extras(module: str, what: str) -> types.ModuleType:
     except ModuleNotFoundError as error:
         if error.name not in ("relgrad_extras", f"relgrad_extras.{module}"):
             raise
-        raise ImportError(f"{what} lives in relgrad_extras/{module}.py, which is not on the "
-                          "path: copy the folder relgrad_extras/ beside the four core modules"
-                          ) from error
+        raise ImportError(f"{what} lives in relgrad_extras/{module}.py: copy the folder "
+                          "relgrad_extras/ beside the four core modules") from error
 
 
 def plug_free_in_comm(buffers: list, free_grads_in_comm: bool) -> None:
@@ -109,9 +107,8 @@ INCOMPLETE_RULE = ("a bucket was not complete after accumulate_steps={acc} backw
 
 
 class BucketScheduler:
-    """Beyond Paddle: the buckets' collectives in one order on every rank, the reverse of the
-    build's. With `fire_on_hook` complete buckets fire in that order from the hooks (`held`
-    ones wait for the tie sum); `fire()` issues the rest with what they hold."""
+    """Beyond Paddle: the buckets' collectives in one order on every rank (the build's, reversed),
+    from the hooks with `fire_on_hook` (`held` ones wait for the tie sum), the rest by `fire()`."""
 
     def __init__(self, fire_on_hook: bool = True) -> None:
         self.buffers, self.fire_on_hook, self.held = [], fire_on_hook, []
@@ -205,9 +202,8 @@ _DROPPED_RULE = ("did zero_grad() run between backward and step() on some rank, 
 
 
 class _Sharding(_Wrapper):
-    """What v1 and v2 share. `optimizer`: a torch optimizer (a template), `hcg`:
-    `relgrad.HybridCommunicateGroup`, `strategy`: `relgrad.HybridStrategy`, `grad_clip`: a
-    Paddle-style clip (relgrad_extras.grad_clip), run in `step()` on the reduced grads."""
+    """What v1 and v2 share: a torch `optimizer` (a template), `hcg`, `strategy`, and
+    `grad_clip`, a Paddle-style clip (relgrad_extras.grad_clip) on the reduced grads."""
 
     def _setup(self, optimizer, hcg, strategy, grad_clip) -> None:
         pp_config = strategy.hybrid_configs["pp_configs"]
@@ -296,8 +292,7 @@ class _Sharding(_Wrapper):
             raise error
 
     def _agree_at_step(self, opened: tuple, rules=()) -> list:
-        """Open a step alike everywhere (one all-reduce): misuse, how it was opened, the
-        hyper-parameters; a param steps iff some rank wrote its grad. Returns those flags."""
+        """Open a step alike everywhere (one all-reduce); per param: did some rank write it."""
         if self._phase in (Phase.REDUCED, Phase.STEPPED):
             raise RuntimeError("step() ran again without the optimizer's clear_grad() / "
                                "zero_grad() in between; clear the grads after each step")
@@ -334,8 +329,7 @@ class _Sharding(_Wrapper):
         return [f"param #{index[id(p)]} (shape {tuple(p.shape)}, {p.dtype})" for p in params]
 
     def _misuse_rules(self) -> list:
-        """Beyond Paddle: a param trainable now without a slot in the fused buffers (v2, or
-        sharding's own overlap)."""
+        """Beyond Paddle: a param trainable now without a slot (v2, sharding's own overlap)."""
         slotted = {id(p) for buffer in self.comm_buffers for p in buffer.params}
         unslotted = []
         for p in self._parameter_list if self._overlap is not None or self._is_v2 else ():
@@ -370,8 +364,7 @@ class _Sharding(_Wrapper):
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
-        """step()'s first half, on every rank (Megatron's name): agree, reduce, scale. Then the
-        grads this rank steps are final; step() does not reduce again."""
+        """step()'s first half (Megatron's name): agree, reduce, scale; step() does not again."""
         self._first_half(("finish_grad_sync",))
 
     def _first_half(self, opened=("step",), rules=()) -> None:
@@ -388,8 +381,7 @@ class _Sharding(_Wrapper):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach: bool | None = None
                         ) -> torch.Tensor:
-        """torch's `clip_grad_norm_` on the optimizer (as FSDP's): step()'s first half, then the
-        reduced grads clipped by the global L2 norm; returns it (relgrad_extras.grad_clip)."""
+        """FSDP's: step()'s first half, then clip by the global norm (relgrad_extras.grad_clip)."""
         clip = extras("grad_clip", "opt.clip_grad_norm_")
         return clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
@@ -431,8 +423,7 @@ def _comm_buffer_bytes(sharding_config, default_mb: int = 256) -> int:
 # ---- Sharding v1: whole params per owner ----
 
 class DygraphShardingOptimizer(_Sharding):
-    """Sharding v1: whole params, greedy owners, reduce -> step owned -> broadcast. Args as
-    `_Sharding`; `_param2rank`: param -> owner. Without hooks, `step()` reduces each grad."""
+    """Sharding v1: whole params, greedy owners (`_param2rank`), reduce -> step -> broadcast."""
 
     _is_v2 = False
     comm_buffers = property(lambda self: list(self._comm_buffers))  # own overlap's (REDUCE)
@@ -489,11 +480,9 @@ class DygraphShardingOptimizer(_Sharding):
     def add_param_group(self, param_group: dict) -> None:
         """torch's: the new params get owners (call it alike on every rank; not under overlap)."""
         if self.pp_overlap or self.comm_overlap:
-            which = "pp_configs.sharding_comm_overlap" if self.pp_overlap else (
-                "sharding_configs.comm_overlap")
-            raise ValueError(f"add_param_group is not supported with {which}: the fused buffers "
-                             "are built at construction; build the torch optimizer with every "
-                             "group first")
+            which = "pp_configs.sharding_" if self.pp_overlap else "sharding_configs."
+            raise ValueError(f"add_param_group is not supported with {which}comm_overlap (the "
+                             "buffers are built with the optimizer): build it with every group")
         params = new_params(param_group["params"], self._parameter_list)
         self._param2rank.update(self._partition_parameters(params))
         self._parameter_list += params
@@ -542,9 +531,8 @@ _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.opti
 
 
 class DygraphShardingOptimizerV2(_Sharding):
-    """Sharding v2 (split_param): flat shards, reduce-scatter -> step slices -> all-gather. Args
-    as v1; the inner optimizer steps `_slice_params[param]`, this rank's 1-D piece of the flat
-    padded buffer: its own or, under pipeline overlap, the pipeline's (`comm_buffer_ref`)."""
+    """Sharding v2 (split_param): flat shards, reduce-scatter -> step slices -> all-gather. The
+    inner optimizer steps `_slice_params[param]`, this rank's 1-D piece of the param's bucket."""
 
     _is_v2 = True
     comm_buffers = property(lambda self: list(self._comm_buffer_list))  # (pp overlap) pipeline's
