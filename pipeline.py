@@ -17,9 +17,9 @@ from torch import nn
 from comm_buffer import (HOOK_ACTION, FusedCommBuffer, agree, assign_group_by_size, comm_device,
                          first_few, global_rank, is_timeout_error, main_grad_or_grad as _grad)
 from relgrad import (GradMarks, HybridCommunicateGroup, HybridStrategy, Phase,
-                     check_current_device, clear_grad_func, group_timeout)
+                     check_current_device, clear_grad_func, extras, group_timeout)
 from sharding import (UNSLOTTED_RULE, BucketScheduler, _comm_buffer_bytes, agreed_all_reduce_mean,
-                      extras, plug_free_in_comm)
+                      plug_free_in_comm)
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims

@@ -7,8 +7,10 @@ Mirrors, at commit 9b40c67f672f, `PpConfig` / `DygraphShardingConfig` (distribut
 """
 import datetime
 import enum
+import importlib
 import inspect
 import sys
+import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -334,28 +336,17 @@ class _Wrapper(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.clear_grad(set_to_zero=not set_to_none)
 
-    def _local_state_dict(self): return self._inner_opt.state_dict()
-    def _load_local_state_dict(self, state_dict): self._inner_opt.load_state_dict(state_dict)
-
     def add_param_group(self, param_group: dict) -> None:
         raise ValueError(f"{type(self).__name__} cannot add a param group after it was built; "
                          "build the torch optimizer with every group first, then wrap it")
 
-    def state_dict(self) -> dict:  # this rank's state, through torch's hooks
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        state_dict = self._local_state_dict()
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            state_dict = hook(self, state_dict) or state_dict
-        return state_dict
+    def state_dict(self) -> dict:
+        """This rank's state, through torch's hooks (relgrad_extras/checkpoint.py)."""
+        return extras("checkpoint", "state_dict()").state_dict(self)
 
-    def load_state_dict(self, state_dict: dict) -> None:  # through torch's hooks
-        state_dict = state_dict.copy()
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            state_dict = hook(self, state_dict) or state_dict
-        self._load_local_state_dict(state_dict)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A saved state, through torch's hooks; collective under sharding (relgrad_extras)."""
+        extras("checkpoint", "load_state_dict").load_state_dict(self, state_dict)
 
 
 def new_params(params: torch.Tensor | Iterable, known: list) -> list:
@@ -440,17 +431,6 @@ class MixPrecisionOptimizer(_Wrapper):
         for t in self._targets:  # Paddle's clear_grad
             clear_grad_func(t, set_to_zero)
 
-    def _local_state_dict(self):
-        return {"inner": self._inner_opt.state_dict(),
-                "masters": [m.clone() for m in self._masters.values()]}
-
-    def _load_local_state_dict(self, state_dict):
-        if "inner" not in state_dict:  # a plain torch optimizer's state_dict(), same params
-            return self._inner_opt.load_state_dict(state_dict)
-        self._inner_opt.load_state_dict(state_dict["inner"])
-        for m, saved in zip(self._masters.values(), state_dict["masters"]):
-            m.data = saved.clone()
-
 
 def _rebuilt(optimizer, groups):
     """A new optimizer of `optimizer`'s class and hyper-parameters over `groups`."""
@@ -471,6 +451,17 @@ def carries_state(optimizer: torch.optim.Optimizer) -> bool:
                 torch.equal(torch.as_tensor(v), torch.as_tensor(new[k])) for k, v in state.items()):
             return True
     return False
+
+
+def extras(module: str, what: str) -> types.ModuleType:
+    """`relgrad_extras.<module>`, for `what`; ImportError naming the folder if absent."""
+    try:
+        return importlib.import_module(f"relgrad_extras.{module}")
+    except ModuleNotFoundError as error:
+        if error.name not in ("relgrad_extras", f"relgrad_extras.{module}"):
+            raise
+        raise ImportError(f"{what} lives in relgrad_extras/{module}.py: copy the folder "
+                          "relgrad_extras/ beside the four core modules") from error
 
 
 def _template_state_rule(wrapper):

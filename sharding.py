@@ -11,9 +11,7 @@ References: Paddle PRs #59739, #58462, #64517; Rajbhandari et al., "ZeRO" (2020)
 """
 from __future__ import annotations
 
-import importlib
 import inspect
-import types
 from collections import Counter
 from collections.abc import Callable
 
@@ -26,10 +24,11 @@ from comm_buffer import (HOOK_ACTION, IN_FLIGHT_RULE, FusedCommBuffer, _fill_gra
                          main_grad_or_grad as _grad, sums_in_16_bits, weak_hook)
 from relgrad import (GradMarks, HybridCommunicateGroup, HybridStrategy, MixPrecisionOptimizer,
                      Phase, _hyper, _template_state_rule, _Wrapper, carries_state,
-                     check_current_device, clear_grad_func, new_params, sharding_config_problem)
+                     check_current_device, clear_grad_func, extras, new_params,
+                     sharding_config_problem)
 
 
-# ---- Helpers: the dp sync, hyper-parameters, the extras folder ----
+# ---- Helpers: the dp sync, hyper-parameters, the extras folder's plug ----
 
 @torch.no_grad()
 def all_reduce_mean(grads: list, group: dist.ProcessGroup | None) -> None:
@@ -80,17 +79,6 @@ def hyper_parameters(param_groups: list) -> dict:
             elif isinstance(value, (bool, int, float)):
                 found[f"param_groups[{i}][{key!r}]"] = value
     return found
-
-
-def extras(module: str, what: str) -> types.ModuleType:
-    """`relgrad_extras.<module>`, for `what`; ImportError naming the folder if absent."""
-    try:
-        return importlib.import_module(f"relgrad_extras.{module}")
-    except ModuleNotFoundError as error:
-        if error.name not in ("relgrad_extras", f"relgrad_extras.{module}"):
-            raise
-        raise ImportError(f"{what} lives in relgrad_extras/{module}.py: copy the folder "
-                          "relgrad_extras/ beside the four core modules") from error
 
 
 def plug_free_in_comm(buffers: list, free_grads_in_comm: bool) -> None:
@@ -356,8 +344,9 @@ class _Sharding(_Wrapper):
     def _update(self) -> None:
         """torch's step pre-hooks (seeing the reduced grads), clip, step, broadcast, post-hooks."""
         if self._grad_clip is not None:  # Paddle's: on the reduced grads this rank steps
-            groups = extras("grad_clip", "grad_clip=").norm_groups(self._hcg)
-            self._grad_clip(self._clip_pairs(), groups, self._flags_device())
+            clip = extras("grad_clip", "grad_clip=")
+            groups = clip.norm_groups(self._hcg)
+            self._grad_clip(clip.clip_pairs(self), groups, self._flags_device())
         self._inner_opt.step()
         self._phase = Phase.STEPPED  # until zero_grad() (own overlap: a GAN's backward raises)
         self._sync_params()
@@ -395,24 +384,9 @@ class _Sharding(_Wrapper):
             self._phase = Phase.DROPPED if dropped else Phase.IDLE
         return error
 
-    # ---- checkpoints, per rank or consolidated: relgrad_extras/checkpoint.py ----
-
-    def _local_state_dict(self) -> dict:  # this rank's shard, tagged with its layout
-        return extras("checkpoint", "state_dict()").local_state_dict(self)
-
     def consolidate_state_dict(self, to: int = 0) -> dict | None:
         """torch ZeRO's: the whole state, one process's format, on rank `to` (relgrad_extras)."""
         return extras("checkpoint", "consolidate_state_dict").consolidate(self, to)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """This rank's `state_dict()` (same layout) or a consolidated / torch one; collective."""
-        if not isinstance(state_dict, dict):  # None off rank `to`: raise on every rank
-            self._load_local_state_dict(state_dict)
-        super().load_state_dict(state_dict)  # torch's hooks, then _load_local_state_dict
-
-    def _load_local_state_dict(self, state_dict) -> None:
-        """A per-rank state of this layout, or a consolidated one (relgrad_extras)."""
-        extras("checkpoint", "load_state_dict").load_state(self, state_dict)
 
 
 def _comm_buffer_bytes(sharding_config, default_mb: int = 256) -> int:
@@ -498,7 +472,8 @@ class DygraphShardingOptimizer(_Sharding):
                 clear_grad_func(p, set_to_zero=False)
         self.reduce_gradients(self._parameter_list, self._hcg)
         if self._dp_sync:  # the owned grads
-            owned = [g for _, g in self._clip_pairs() if g is not None]
+            owned = [_grad(p) for p in self._parameter_list if self._param2rank[p] == self._rank]
+            owned = [g for g in owned if g is not None]
             all_reduce_mean(owned, self._hcg.get_data_parallel_group())
 
     def _sync_params(self) -> None:
@@ -515,10 +490,6 @@ class DygraphShardingOptimizer(_Sharding):
         for comm_buffer in self._comm_buffers if self.sd_release_grads else ():
             comm_buffer._clear_grad_storage()
         self._finish_clear(error)  # beyond Paddle (skippable): the next step's state
-
-    def _clip_pairs(self) -> list:
-        """What a clip reads: the grads this rank owns, reduced."""
-        return [(p, _grad(p)) for p in self._parameter_list if self._param2rank[p] == self._rank]
 
 
 # ---- Sharding v2 (split_param): flat shards of every bucket ----
@@ -683,15 +654,6 @@ class DygraphShardingOptimizerV2(_Sharding):
             for param, view in buffer.grad_views.items():
                 pieces[param] = view.piece()
         return pieces
-
-    def _clip_pairs(self) -> list:
-        """What a clip reads: this rank's slice grads, without padding."""
-        pairs = []
-        for param, piece in self._pieces().items():
-            grad = _grad(self._slice_params[param])
-            if grad is not None:
-                pairs.append((param, grad[: piece[1]]))
-        return pairs
 
 
 def _require_zero(set_to_zero: bool) -> None:

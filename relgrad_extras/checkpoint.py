@@ -1,10 +1,11 @@
 """Consolidate and re-shard the optimizer state of sharding v1 / v2 (torch ZeRO's checkpoints).
 
 Mirrors torch's `ZeroRedundancyOptimizer.consolidate_state_dict` / `load_state_dict` for the
-optimizers of `sharding.py`, which imports this module at the call (`state_dict`,
-`consolidate_state_dict`, `load_state_dict`). A per-rank `state_dict()` is this rank's shard
-tagged with its layout (`local_state_dict`), and loads only into the same layout. Paddle re-shards at the trainer level
-instead (PaddleNLP's `trainer/utils/sharding_io.py` and `reshard/`: `merge_opt_state` /
+optimizers of `sharding.py`; the wrappers (v1, v2, `MixPrecisionOptimizer`) import this module
+at the call (`state_dict`, `consolidate_state_dict`, `load_state_dict`) and run torch's state
+dict hooks here. A per-rank `state_dict()` of v1 / v2 is this rank's shard tagged with its
+layout (`local_state_dict`), and loads only into the same layout. Paddle re-shards at the
+trainer level instead (PaddleNLP's `trainer/utils/sharding_io.py` and `reshard/`: `merge_opt_state` /
 `split_opt_state`, keyed by param name); here it lives on the optimizer, as in torch, and params
 are keyed by index.
 
@@ -333,6 +334,44 @@ def _apply_full(opt, state_dict, groups, hyper=True):
                 inner.state[key] = {name: _place(v, name, piece, key, group)
                                     for name, v in by_index[i].items()}
         start += len(group["params"])
+
+
+# ---------------------------------------------------------------- through torch's hooks
+
+def state_dict(opt):
+    """`opt.state_dict()` of a wrapper: v1 / v2's `local_state_dict`, MixPrecisionOptimizer's
+    inner state and fp32 masters; torch's pre / post hooks around it."""
+    for hook in opt._optimizer_state_dict_pre_hooks.values():
+        hook(opt)
+    if hasattr(opt, "_is_v2"):
+        state = local_state_dict(opt)
+    else:
+        state = {"inner": opt._inner_opt.state_dict(),
+                 "masters": [m.clone() for m in opt._masters.values()]}
+    for hook in opt._optimizer_state_dict_post_hooks.values():
+        state = hook(opt, state) or state
+    return state
+
+
+def load_state_dict(opt, state_dict):
+    """`opt.load_state_dict(state_dict)` of a wrapper, through torch's hooks (v1 / v2:
+    `load_state`, collective; MixPrecisionOptimizer: its own state or a plain torch one)."""
+    sharded = hasattr(opt, "_is_v2")
+    if sharded and not isinstance(state_dict, dict):  # None off rank `to`: every rank raises
+        return load_state(opt, state_dict)
+    state_dict = state_dict.copy()
+    for hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        state_dict = hook(opt, state_dict) or state_dict
+    if sharded:
+        load_state(opt, state_dict)
+    elif "inner" not in state_dict:  # a plain torch optimizer's state_dict(), same params
+        opt._inner_opt.load_state_dict(state_dict)
+    else:
+        opt._inner_opt.load_state_dict(state_dict["inner"])
+        for master, saved in zip(opt._masters.values(), state_dict["masters"]):
+            master.data = saved.clone()
+    for hook in opt._optimizer_load_state_dict_post_hooks.values():
+        hook(opt)
 
 
 def load_state(opt, state_dict):

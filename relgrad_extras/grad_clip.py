@@ -23,6 +23,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from comm_buffer import main_grad_or_grad as _grad
+
 CLIP_EPS = 1e-6  # Paddle's (and torch's) epsilon in the coefficient's denominator
 EPS = CLIP_EPS
 
@@ -123,13 +125,26 @@ def clip_rules(args=None, grad_clip=None):
              f"grad_clip={grad_clip!r}" if args and grad_clip is not None else None)]
 
 
+def clip_pairs(opt):
+    """What a clip reads on v1 / v2: `(param, reduced grad)` for what this rank steps (v1: the
+    params it owns; v2: its slice of each param, without padding)."""
+    if not opt._is_v2:
+        return [(p, _grad(p)) for p in opt._parameter_list if opt._param2rank[p] == opt._rank]
+    pairs = []
+    for param, piece in opt._pieces().items():
+        grad = _grad(opt._slice_params[param])
+        if grad is not None:
+            pairs.append((param, grad[: piece[1]]))
+    return pairs
+
+
 @torch.no_grad()
 def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False):
     """The sharding optimizers' `clip_grad_norm_` (torch's, as FSDP's): step()'s first half on
     every rank, then this rank's reduced grads clipped by the global L2 norm; returns it."""
     opt._first_half(("clip_grad_norm_", max_norm, norm_type, error_if_nonfinite),
                     clip_rules((max_norm, norm_type), opt._grad_clip))
-    norm = clip_grads_by_global_norm(opt._clip_pairs(), max_norm, norm_groups(opt._hcg),
+    norm = clip_grads_by_global_norm(clip_pairs(opt), max_norm, norm_groups(opt._hcg),
                                      opt._flags_device(), coefficient="torch")
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(f"clip_grad_norm_: the total norm of the grads is {norm.item()}, "
