@@ -419,11 +419,8 @@ class FusedCommBuffer:
             params[0].comm_buffer_ref = weakref.ref(self)  # how v2 finds the pipeline's
         # Seed hunk (reconstructed, point 1): with release there are no grads, so no addresses
         if not release_grads:
-            self._record_addr()
+            self._grads_to_addr = {p: _grad_of(p, self.use_main_grad).data_ptr() for p in params}
         self._agree_on_layout()  # beyond Paddle: every rank holds this bucket (and, dp: params)
-
-    def _record_addr(self):  # Paddle's: each grad's address, its slot's
-        self._grads_to_addr = {p: _grad_of(p, self.use_main_grad).data_ptr() for p in self._params}
 
     @torch.no_grad()
     def _agree_on_layout(self):

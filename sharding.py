@@ -70,14 +70,11 @@ def fill_missing_grads(params: list, anywhere: list, here: list) -> None:
 
 
 def hyper_parameters(param_groups: list) -> dict:
-    """The numbers, bools and tuples of numbers in `param_groups`, by name (`agree`'s)."""
+    """Each hyper-parameter of `param_groups` as text, by name (`agree`'s)."""
     found = {}
     for i, group in enumerate(param_groups):
         for key, value in sorted(_hyper(group).items()):
-            if isinstance(value, (tuple, list)) and all(isinstance(x, (int, float)) for x in value):
-                found[f"param_groups[{i}][{key!r}]"] = tuple(value)
-            elif isinstance(value, (bool, int, float)):
-                found[f"param_groups[{i}][{key!r}]"] = value
+            found[f"param_groups[{i}][{key!r}]"] = repr(value)
     return found
 
 
@@ -258,10 +255,8 @@ class _Sharding(_Wrapper):
         same = [("class", name), ("sharding_configs", vars(sc)), ("pp_configs", vars(pc)),
                 ("torch optimizer", type(optimizer).__name__),
                 ("grad_clip", (type(grad_clip).__name__, getattr(grad_clip, "clip_norm", None))),
+                ("hyper-parameters", hyper_parameters(optimizer.param_groups)),
                 ("the number of params", len(self._parameter_list))]
-        for i, group in enumerate(optimizer.param_groups):
-            for key, value in _hyper(group).items():
-                same.append((f"param_groups[{i}][{key!r}]", repr(value)))
         for i, p in enumerate(self._parameter_list):
             same.append((f"params (shape, dtype, requires_grad) #{i}",
                          (tuple(p.shape), str(p.dtype), p.requires_grad)))
@@ -290,7 +285,11 @@ class _Sharding(_Wrapper):
         dropped = self._phase == Phase.DROPPED and not any(written)
         problems = list(rules) + [(None, None)] * (_CLIP_RULES - len(rules))  # one width
         problems += self._misuse_rules()
-        problems.append((IN_PLACE_RULE, first_few(self._named(self._changed_in_place()))))
+        changed = []  # in flight: the buffers' rule; under a pipeline: reduced there
+        pp = self._hcg.get_pipe_parallel_world_size()
+        if not (self.comm_overlap or self.pp_overlap or pp > 1):  # step() reduces local grads
+            changed = self._marks.changed_in_place()
+        problems.append((IN_PLACE_RULE, first_few(self._named(changed))))
         problems.append((_DROPPED_RULE, "grads dropped" if dropped else None))
         same = [("how the step was opened (the call; clip_grad_norm_'s max_norm, norm_type, "
                  "error_if_nonfinite)", opened),
@@ -305,12 +304,6 @@ class _Sharding(_Wrapper):
                              "step()? params replaced after building (assign=True)?")
         fill_missing_grads(self._parameter_list, anywhere, written)
         return anywhere
-
-    def _changed_in_place(self) -> list:
-        """Grads changed in place since backward, where step() still reduces local grads."""
-        if self.comm_overlap or self.pp_overlap or self._hcg.get_pipe_parallel_world_size() > 1:
-            return []  # in flight: the buffers' rule; under a pipeline: reduced there
-        return self._marks.changed_in_place()
 
     def _named(self, params: list) -> list:
         index = {id(p): i for i, p in enumerate(self._parameter_list)}

@@ -2444,7 +2444,7 @@ def test_lr_differs_across_ranks_raises(ranks):
     assert sorted(out0) == sorted(out1) and len(out0) == 4
     for case in out0:
         _same_error([out0[case][0], out1[case][0]], 2, "param_groups[0]['lr'] differs across "
-                    "ranks: 0.01 on global rank(s) [0], 0.02 on global rank(s) [1]")
+                    "ranks: '0.01' on global rank(s) [0], '0.02' on global rank(s) [1]")
         for params in (out0[case][1], out1[case][1]):
             _assert_params(params, oracle, atol=1e-6)
 
