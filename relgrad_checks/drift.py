@@ -268,7 +268,8 @@ def check_hunk_row(row):
         if actual is None:
             return f"row {number}: read with `{name}`: {file} has none"
         if _parse_ranges(cited) != [actual]:
-            return f"row {number}: read with `{name}` cites {cited}, it is at {_format_ranges([actual])}"
+            at = _format_ranges([actual])
+            return f"row {number}: read with `{name}` cites {cited}, it is at {at}"
     if range_file != file:
         return f"row {number}: range cites {range_file}, the method is in {file}"
     if actual_range(file, qualname) is None:

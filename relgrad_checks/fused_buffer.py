@@ -253,7 +253,8 @@ def _check_misuse(rank, world):
             FusedCommBuffer(0, _new_params([(4,)]), None, acc_steps, act=HOOK_ACTION.ALL_REDUCE)
     with pytest.raises(ValueError, match="do not require grad"):
         FusedCommBuffer(0, [torch.zeros(3)], None, act=HOOK_ACTION.ALL_REDUCE)
-    with pytest.raises(ValueError, match=f"needs dst, the owner's global rank in comm_group.*got {world}"):
+    with pytest.raises(ValueError,
+                       match=f"needs dst, the owner's global rank in comm_group.*got {world}"):
         FusedCommBuffer(0, _new_params([(4,)]), None, act=HOOK_ACTION.REDUCE, dst=world)
 
     # release on, used by hand: each skipped part of the step raises at the next check-in
@@ -266,7 +267,8 @@ def _check_misuse(rank, world):
     buf.scale_grads()
     for p in params:
         p.grad = None  # the optimizer's zero_grad(), but no _clear_grad_storage()
-    with pytest.raises(ValueError, match="a backward reached its params while last step's buffer is allocated"):
+    with pytest.raises(ValueError,
+                       match="a backward reached its params while last step's buffer is allocated"):
         _backward_int_grads(params, rank, 1, 0)
     buf._clear_grad_storage()
     _backward_int_grads(params, rank, 1, 0)

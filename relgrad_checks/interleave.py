@@ -95,7 +95,8 @@ def schedule_and_errors(rank, world):
         _interleaved(_strategy(pp=2, acc=3), hcg)
     with pytest.raises(ValueError, match="num_virtual_pipeline_stages >= 2, got 1"):
         _interleaved(_strategy(pp=2, acc=4), hcg, vpp=1)
-    with pytest.raises(ValueError, match="num_virtual_pipeline_stages=2: build PipelineParallelWithInterleave"):
+    with pytest.raises(ValueError,
+                       match="num_virtual_pipeline_stages=2: build PipelineParallelWithInterleave"):
         PipelineParallel(_pipe_layers(), hcg, _strategy(pp=2, acc=4,
                                                         num_virtual_pipeline_stages=2), _mse)
     dist.barrier()  # both ranks got here: nobody is left in a receive

@@ -5,9 +5,9 @@ optimizers of `sharding.py`; the wrappers (v1, v2, `MixPrecisionOptimizer`) impo
 at the call (`state_dict`, `consolidate_state_dict`, `load_state_dict`) and run torch's state
 dict hooks here. A per-rank `state_dict()` of v1 / v2 is this rank's shard tagged with its
 layout (`local_state_dict`), and loads only into the same layout. Paddle re-shards at the
-trainer level instead (PaddleNLP's `trainer/utils/sharding_io.py` and `reshard/`: `merge_opt_state` /
-`split_opt_state`, keyed by param name); here it lives on the optimizer, as in torch, and params
-are keyed by index.
+trainer level instead (PaddleNLP's `trainer/utils/sharding_io.py` and `reshard/`:
+`merge_opt_state` / `split_opt_state`, keyed by param name); here it lives on the optimizer,
+as in torch, and params are keyed by index.
 
 The consolidated state is torch's own `Optimizer.state_dict()` format for the whole optimizer,
 as if one process had trained: `"state"` keyed by the param's index in the optimizer's param
