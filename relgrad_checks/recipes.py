@@ -11,8 +11,8 @@ process, written from the recipe's description, not from its code.
 Each rank is its own process, started in its recipe's folder as `python -E -s recipe.py` would
 be: sys.path[0] is that folder, nothing of this repo is imported before the snippet runs. On
 Linux the ranks are forked from one launcher process per session (this file run as a script,
-`_serve`) that imported torch and torch._dynamo once; each rank would otherwise spend ~2 s of
-CPU importing them. Elsewhere each rank is started as `python -E -s recipe.py`.
+`_serve`) that imported torch, torch._dynamo and what torch.compile imports at its first call
+once; each rank would otherwise spend ~2 s of CPU importing them (~1.4 s more in recipe (f)). Elsewhere each rank is started as `python -E -s recipe.py`.
 """
 import atexit
 import json
@@ -182,6 +182,12 @@ def _serve():
     stderr to one file, its exit status as the returncode); reply with the returncodes (None
     for a rank killed at the timeout) and outputs."""
     import torch._dynamo  # noqa: F401 (torch.optim imports it at the first optimizer built)
+    # what recipe (f)'s torch.compile(backend="aot_eager") imports at its first call (~1.4 s
+    # of CPU in each rank otherwise; its compile itself then takes ~0.5 s)
+    import functorch.compile  # noqa: F401
+    import torch._dynamo.backends.common  # noqa: F401
+    import torch._functorch.aot_autograd  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
     out_dir = tempfile.mkdtemp(prefix="relgrad_recipe_out_")
     for line in sys.stdin:
         request = json.loads(line)
