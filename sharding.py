@@ -296,9 +296,8 @@ class _Sharding(_Wrapper):
                 ("the hyper-parameters", hyper_parameters(self.param_groups)),
                 ("grad_clip's clip_norm", getattr(self._grad_clip, "clip_norm", None))]
         anywhere = agree(self._flag_groups(), problems, same, written, self._flags_device(),
-                         title="every rank of the sharding (and dp) group must open a step "
-                         "alike (all with opt.clip_grad_norm_ of the same arguments, or all "
-                         "without) and with the same hyper-parameters")
+                         title="every rank of the sharding (and dp) group must open a step alike "
+                         "(opt.clip_grad_norm_'s arguments) and with the same hyper-parameters")
         if any(p.requires_grad for p in self._parameter_list) and not any(anywhere):
             raise ValueError("no param has a grad on any rank at step(): zero_grad() before "
                              "step()? params replaced after building (assign=True)?")
@@ -635,10 +634,10 @@ class DygraphShardingOptimizerV2(_Sharding):
                 if buf.use_main_grad != hasattr(p, "main_grad"):
                     main_grad.append(p)
         return super()._misuse_rules() + [
-            ("a param moved to another dtype or device since v2 was built (model.to(...)): "
-             "build the optimizer after moving the model", first_few(self._named(moved))),
-            ("a param's main_grad does not match its bucket: register_main_grad_hooks on every "
-             "param before building", first_few(self._named(main_grad)))]
+            ("a param moved to another dtype or device since v2 was built: build the optimizer "
+             "after model.to(...)", first_few(self._named(moved))),
+            ("a param's main_grad does not match its bucket: register_main_grad_hooks first",
+             first_few(self._named(main_grad)))]
 
     def _pieces(self) -> dict:
         """param -> this rank's piece `(offset, elements)` (None: none), over every bucket."""

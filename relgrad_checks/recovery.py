@@ -315,7 +315,7 @@ def frozen_after_build(rank, world):
 
 # ---------------------------------------------------------------- the store does not grow
 
-def _key_counts(step, steps=40):
+def _key_counts(step, steps=10):
     """The default store's key count after each of `steps` calls `step(k)` (every rank done
     with step k before any counts, and with counting before step k + 1)."""
     store, counts = dist.distributed_c10d._get_default_store(), []
@@ -328,7 +328,7 @@ def _key_counts(step, steps=40):
 
 
 def store_keys_own_overlap(rank, world):
-    """2 ranks: key counts over 40 steps of sharding's own overlap (v1 / v2, release off /
+    """2 ranks: key counts over 10 steps of sharding's own overlap (v1 / v2, release off /
     on) and of plain torch (AdamW, an all-reduce per grad). Returns {case: counts}."""
     def loop(model, opt, release, reduce=False):
         def step(k):
@@ -348,7 +348,7 @@ def store_keys_own_overlap(rank, world):
 
 
 def store_keys_train_batch(rank, world):
-    """pp 2 x sharding 2: key counts over 40 train_batch calls (v1 / v2, sharding overlap,
+    """pp 2 x sharding 2: key counts over 10 train_batch calls (v1 / v2, sharding overlap,
     release off / on). Returns {case: counts}."""
     out = {}
     for case, st, cls in _layouts("sharding", overlaps=(True,)):
