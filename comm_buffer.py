@@ -237,7 +237,6 @@ def weak_hook(call: Callable, *owners: object) -> Callable:
             raise RuntimeError("a grad hook outlived its FusedCommBuffer; keep the buffers "
                                "(e.g. the pipeline's _chunk_2_comm_buffers) alive while training")
         call(*alive, param)
-
     return hook
 
 

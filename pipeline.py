@@ -478,19 +478,18 @@ class PipelineParallel(nn.Module):
     def _device(self):
         return comm_device(self._layers.parameters(), self._hcg.get_pipe_parallel_group())
 
-    # Named operations (Megatron's), each one batched exchange with the neighbours: `out`
-    # (an activation) goes to the next stage and its grad comes back from there (None on the
-    # last stage); `in_grad`, the grad of this stage's input, goes to the previous stage,
-    # whose next activation comes back (the data, `first_stage_input`, on the first stage).
+    # Named operations (Megatron's), each one batched exchange with the neighbours: `out`, an
+    # activation, goes to the next stage and its grad comes back (None on the last stage);
+    # `in_grad` goes to the previous stage and the next input comes back (on the first: data).
 
     def send_forward(self, out: torch.Tensor) -> None:
-        self._p2p(send_next=self._unless_last(out))
+        self._p2p(send_next=out)
 
     def recv_forward(self, first_stage_input: torch.Tensor) -> torch.Tensor:
         return self._p2p(recv_prev=True, fallback=first_stage_input)
 
     def send_forward_recv_backward(self, out: torch.Tensor) -> torch.Tensor | None:
-        return self._p2p(send_next=self._unless_last(out), recv_next=out)
+        return self._p2p(send_next=out, recv_next=out)
 
     def send_backward_recv_forward(self, in_grad: torch.Tensor | None,
                                    first_stage_input: torch.Tensor) -> torch.Tensor:
@@ -502,16 +501,13 @@ class PipelineParallel(nn.Module):
     def recv_backward(self, out: torch.Tensor) -> torch.Tensor | None:
         return self._p2p(recv_next=out)
 
-    def _unless_last(self, out):
-        return None if self.stage_id == self.num_stages - 1 else out
-
     def _p2p(self, send_next=None, send_prev=None, recv_next=None, recv_prev=False, fallback=None):
         """Batched isend / irecv with the neighbours; the next activation or `recv_next`'s grad."""
         first, last = self.stage_id == 0, self.stage_id == self.num_stages - 1
         prev = None if first else self._hcg.get_rank_from_stage(self.stage_id - 1)
         nxt = None if last else self._hcg.get_rank_from_stage(self.stage_id + 1)
         group, ops, got_prev, got_next = self._hcg.get_pipe_parallel_group(), [], None, None
-        if send_next is not None:
+        if send_next is not None and not last:
             if self._meta_sent is None:  # shape and dtype of activations, once per batch
                 self._p2p_one(dist.isend, self._meta(send_next), nxt, group)
                 self._meta_sent = True

@@ -295,17 +295,15 @@ def _update_main_grad(param):
 def clear_grad_func(p: torch.Tensor, set_to_zero: bool) -> None:
     """Zero `p`'s main_grad / grad in place, or drop them (Paddle's clear_grad_func)."""
     for name in ("main_grad", "grad"):
-        if getattr(p, name, None) is None:
-            continue
-        if set_to_zero:
-            getattr(p, name).zero_()
-        else:
+        grad = getattr(p, name, None)
+        if grad is not None and set_to_zero:
+            grad.zero_()
+        elif grad is not None:
             setattr(p, name, None)
 
 
 class _Wrapper(torch.optim.Optimizer):
-    """The wrappers' torch face (torch 2.13's `Optimizer`): the inner's `param_groups` / `state`,
-    `zero_grad` as `clear_grad`, torch's hooks; pickling, a closure, a GradScaler raise."""
+    """The wrappers' torch `Optimizer` face: the inner's `param_groups` / `state`, torch's hooks."""
 
     _step_supports_amp_scaling = True  # GradScaler hands its scale to step(), which refuses
     param_groups = property(lambda self: self._inner_opt.param_groups)  # live: LRs reach it
@@ -319,8 +317,7 @@ class _Wrapper(torch.optim.Optimizer):
         self._patch_step_function()  # torch's step pre / post hooks around our step()
 
     def __getstate__(self):
-        raise TypeError(f"{type(self).__name__} cannot be pickled or deep-copied; save or copy "
-                        "state_dict() instead")
+        raise TypeError(f"{type(self).__name__} cannot be pickled or deep-copied; use state_dict()")
 
     def _check_step_args(self, closure):
         if closure is not None:
@@ -331,14 +328,14 @@ class _Wrapper(torch.optim.Optimizer):
             raise ValueError("torch.amp.GradScaler cannot drive this optimizer (it checks each "
                              "rank's grads before the reduce): clear the grads; under bf16 "
                              "autocast drop the scaler (bf16 params: fp32 main grads)")
-        getattr(self._inner_opt, "check_template", lambda: None)()
+        (getattr(self, "check_template", None) or self._inner_opt.check_template)()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.clear_grad(set_to_zero=not set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
-        raise ValueError(f"{type(self).__name__} cannot add a param group after it was built; "
-                         "build the torch optimizer with every group first, then wrap it")
+        """torch's: v1 gives the new params owners, MixPrecision masters (relgrad_extras)."""
+        extras("param_groups", "add_param_group").add_param_group(self, param_group)
 
     def state_dict(self) -> dict:
         """This rank's state, through torch's hooks (relgrad_extras/checkpoint.py)."""
@@ -374,7 +371,6 @@ class MixPrecisionOptimizer(_Wrapper):
         groups = [self._master_group(g, t) for g, t in zip(optimizer.param_groups, targets)]
         self._inner_opt = _rebuilt(optimizer, groups)
         self._expose(self._inner_opt)
-        # An LR scheduler built on the template would change it where nothing steps.
         self._template, self._built = optimizer, [_hyper(g) for g in optimizer.param_groups]
 
     def _master_group(self, group, targets):
@@ -393,14 +389,10 @@ class MixPrecisionOptimizer(_Wrapper):
                 raise ValueError(f"the torch optimizer changed after wrapping (group {i}, (built, "
                                  f"now): {changed}). Build the scheduler on the wrapper")
 
-    def add_param_group(self, param_group: dict) -> None:
-        self._inner_opt.add_param_group(self._master_group(param_group, param_group["params"]))
-
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> None:
         """One optimizer step on every target that has a main_grad or grad (others skipped)."""
-        self._check_step_args(closure)
-        self.check_template()
+        self._check_step_args(closure)  # and check_template
         bound, with_grad = [], []
         for t in self._targets:
             master, grad = self._masters.get(t), _grad(t)

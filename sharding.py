@@ -6,8 +6,8 @@ steps, the params are broadcast. v2 (`split_param`) makes each bucket one flat p
 with a shard per rank: grads are reduce-scattered, the slices stepped, the buffer all-gathered.
 With release the grad buffers live from a step's first grad to `clear_grad`. Phases of
 `step()`: agree -> reduce -> dp all-reduce -> clip -> step -> broadcast / all-gather. Rules:
-docs/contract.md. Leaves out: v1's fused params, offload, color sharding, GradScaler.
-References: Paddle PRs #59739, #58462, #64517; Rajbhandari et al., "ZeRO" (2020).
+docs/contract.md. Leaves out: v1's fused params, offload, color sharding, GradScaler. Paddle
+PRs #59739, #58462, #64517; Rajbhandari et al., "ZeRO" (2020).
 """
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ from comm_buffer import (HOOK_ACTION, IN_FLIGHT_RULE, FusedCommBuffer, _fill_gra
                          main_grad_or_grad as _grad, sums_in_16_bits, weak_hook)
 from relgrad import (GradMarks, HybridCommunicateGroup, HybridStrategy, MixPrecisionOptimizer,
                      Phase, _hyper, _template_state_rule, _Wrapper, carries_state,
-                     check_current_device, clear_grad_func, extras, new_params,
-                     sharding_config_problem)
+                     check_current_device, clear_grad_func, extras, sharding_config_problem)
 
 
 # ---- Helpers: the dp sync, hyper-parameters, the extras folder's plug ----
@@ -443,19 +442,6 @@ class DygraphShardingOptimizer(_Sharding):
             if self._param2rank[p] != self._rank:
                 clear_grad_func(p, set_to_zero=False)
 
-    def add_param_group(self, param_group: dict) -> None:
-        """torch's: the new params get owners (call it alike on every rank; not under overlap)."""
-        if self.pp_overlap or self.comm_overlap:
-            which = "pp_configs.sharding_" if self.pp_overlap else "sharding_configs."
-            raise ValueError(f"add_param_group is not supported with {which}comm_overlap (the "
-                             "buffers are built with the optimizer): build it with every group")
-        params = new_params(param_group["params"], self._parameter_list)
-        self._param2rank.update(self._partition_parameters(params))
-        self._parameter_list += params
-        owned = [p for p in params if self._param2rank[p] == self._rank]
-        self._inner_opt.add_param_group({**param_group, "params": owned})
-        self._finish_clear()
-
     def _reduce_for_step(self, opened: tuple, rules=()) -> None:
         """step()'s first half: agree, reduce to the owners, dp all-reduce of owned grads."""
         anywhere = self._agree_at_step(opened, rules)
@@ -638,14 +624,6 @@ class DygraphShardingOptimizerV2(_Sharding):
              "after model.to(...)", first_few(self._named(moved))),
             ("a param's main_grad does not match its bucket: register_main_grad_hooks first",
              first_few(self._named(main_grad)))]
-
-    def _pieces(self) -> dict:
-        """param -> this rank's piece `(offset, elements)` (None: none), over every bucket."""
-        pieces = {}
-        for buffer in self._comm_buffer_list:
-            for param, view in buffer.grad_views.items():
-                pieces[param] = view.piece()
-        return pieces
 
 
 def _require_zero(set_to_zero: bool) -> None:

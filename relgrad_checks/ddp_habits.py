@@ -15,6 +15,7 @@ from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from relgrad_checks.common import _data, _mlp, _mse, _strategy
 from relgrad_checks.failures import _caught
+from relgrad_extras.checkpoint import local_slices
 from relgrad_checks.habits import _oracle_from
 from relgrad_checks.loops import BATCH, SIZES, STEPS, _micro_batches, _oracle, _sharded
 
@@ -249,7 +250,7 @@ def _grads_seen(model, opt):
         return [(index[id(p)], None, p.grad.clone()) for g in opt.param_groups
                 for p in g["params"]]
     stepped = {id(p) for g in opt.param_groups for p in g["params"]}
-    slices = list(map(opt._pieces().get, params))  # per param: (start in it, length) or None
+    slices = list(map(local_slices(opt).get, params))  # per param: (start in it, length) or None
     return [(i, slices[i][0], s.grad[: slices[i][1]].clone())
             for i, p in enumerate(params) if id(s := opt._slice_params[p]) in stepped
             and s.grad is not None]

@@ -419,11 +419,20 @@ def layout(opt):
     if not opt._is_v2:
         found["owners"] = [opt._param2rank[p] for p in opt._parameter_list]
     elif _layout_known(opt):
-        pieces = opt._pieces()
+        pieces = local_slices(opt)
         found["slices"] = [pieces.get(p) for p in opt._parameter_list]
     else:
         found["slices"] = None  # under pipeline overlap, before the first train_batch
     return found
+
+
+def local_slices(opt):
+    """v2: param -> this rank's piece of it, `(offset, elements)` (None: none), every bucket."""
+    pieces = {}
+    for buffer in opt._comm_buffer_list:
+        for param, view in buffer.grad_views.items():
+            pieces[param] = view.piece()
+    return pieces
 
 
 def _layout_problem(opt, saved):

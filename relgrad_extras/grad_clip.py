@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from comm_buffer import main_grad_or_grad as _grad
+from relgrad_extras.checkpoint import local_slices
 
 CLIP_EPS = 1e-6  # Paddle's (and torch's) epsilon in the coefficient's denominator
 EPS = CLIP_EPS
@@ -131,7 +132,7 @@ def clip_pairs(opt):
     if not opt._is_v2:
         return [(p, _grad(p)) for p in opt._parameter_list if opt._param2rank[p] == opt._rank]
     pairs = []
-    for param, piece in opt._pieces().items():
+    for param, piece in local_slices(opt).items():
         grad = _grad(opt._slice_params[param])
         if grad is not None:
             pairs.append((param, grad[: piece[1]]))
