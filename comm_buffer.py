@@ -244,7 +244,7 @@ def weak_hook(call: Callable, *owners: object) -> Callable:
 
 _NONE = -2 ** 63  # "no value here": the identity of MAX
 _ROUNDS = Counter()  # (kind, ranks) -> store rounds this process ran (keys must not repeat)
-_TIMEOUT_WORDS = re.compile(r"time[ds]?[ _-]?out|timing out|deadline exceeded", re.IGNORECASE)
+_TIMED_OUT = re.compile(r"time[ds]?[ _-]?out|timing out|deadline exceeded", re.IGNORECASE)
 
 
 def agree(groups: list, problems: list | tuple = (), same: list | tuple = (),
@@ -364,8 +364,7 @@ def _disagreement(problems, seen, title=None):
 
 def is_timeout_error(error: BaseException) -> bool:
     """True if `error` reports a timeout (gloo's "Timed out", NCCL's "timing out")."""
-    return isinstance(error, (RuntimeError, TimeoutError)) and bool(
-        _TIMEOUT_WORDS.search(str(error)))
+    return isinstance(error, (RuntimeError, TimeoutError)) and bool(_TIMED_OUT.search(str(error)))
 
 
 def _store():  # the default group's store, a side channel beside the collectives
@@ -395,6 +394,7 @@ class FusedCommBuffer:
         if fuse_param and release_grads:
             raise ValueError("FusedCommBuffer: fuse_param=True and release_grads=True cannot be "
                              "used together (as in Paddle)")
+
         params = list(params)
         _check_buffer_args(params, comm_group, acc_steps, act, dst, fuse_param,
                            use_main_grad)  # beyond Paddle's asserts (skippable)

@@ -331,7 +331,7 @@ class PipelineParallel(nn.Module):
         self._scheduler.fire()
         try:
             self._scheduler.wait_and_agree(self._agree_groups(), self._device())
-        except ValueError:
+        except Exception:  # refused, or a peer gone: this step's grads are dropped
             self._discard_grads()
             raise
 

@@ -85,8 +85,8 @@ def plug_free_in_comm(buffers: list, free_grads_in_comm: bool) -> None:
 
 # ---- The bucket scheduler: one firing order on every rank ----
 
-INCOMPLETE_RULE = ("a bucket was not complete after accumulate_steps={acc} backward passes: each "
-                   "trainable param needs a grad in each, on every rank (an unused branch, or a "
+INCOMPLETE_RULE = ("a bucket did not get accumulate_steps={acc} backward passes: each trainable "
+                   "param needs a grad in each, no more, on every rank (an unused branch, or a "
                    "reentrant checkpoint: use_reentrant=False); clear this step")
 
 
@@ -160,7 +160,7 @@ class BucketScheduler:
             missing += f"; short: {first_few(short)}" if short else ""
         passes = (most, fewest) if self.buffers else None  # None: no opinion (no buckets)
         try:
-            agree(groups, [(IN_FLIGHT_RULE, flying), (INCOMPLETE_RULE.format(acc=acc), missing)],
+            agree(groups, [(INCOMPLETE_RULE.format(acc=acc), missing), (IN_FLIGHT_RULE, flying)],
                   [("backward passes (most, fewest for a param)", passes)], device=device)
         except ValueError:
             self.settle()

@@ -1883,7 +1883,7 @@ def test_failure_param_left_out_under_pipeline(ranks, version, release):
     overlap) ends train_batch with the same error on all 4 ranks, naming the counts there."""
     results = ranks(4).run(failures.pipeline_param_left_out, version, release, timeout=60)
     seen = [r[0] for r in results]
-    _same_error(seen, 4, "a bucket was not complete after accumulate_steps=2 backward passes")
+    _same_error(seen, 4, "a bucket did not get accumulate_steps=2 backward passes")
     assert "global rank 3: 2 backward passes, the fewest for a param 1; short: param #" \
         in seen[0][1], seen[0]
     assert ": 1 of 2" in seen[0][1], seen[0]
@@ -2275,7 +2275,7 @@ def test_incomplete_tied_and_interleaved_buckets_raise_everywhere(ranks):
     assert len(results) == 4
     for case in ("tied", "interleaved"):
         seen = [r[case][0] for r in results]
-        _same_error(seen, 4, "a bucket was not complete after accumulate_steps=2 backward")
+        _same_error(seen, 4, "a bucket did not get accumulate_steps=2 backward")
         assert [r[case][1] for r in results] == [None] * 4, case
 
 

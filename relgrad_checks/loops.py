@@ -215,7 +215,7 @@ def unused_on_one_rank(rank, world):
         h = a(x)
         h = h + b(h) if rank == 0 else h  # rank 1 leaves b out: its bucket never completes
         head(h).square().mean().backward()
-        with pytest.raises(ValueError, match="not complete after accumulate_steps") as info:
+        with pytest.raises(ValueError, match="did not get accumulate_steps") as info:
             opt.step()
         opt.zero_grad()
         h = a(x)

@@ -228,7 +228,7 @@ def _check_own_overlap_misuse(hcg, version, world):
         x, y = _data(0, 8, 6, 4)
         for _ in range(2):
             F.mse_loss(model[0](x), y).backward()
-        with pytest.raises(ValueError, match="not complete after accumulate_steps=2"):
+        with pytest.raises(ValueError, match="did not get accumulate_steps=2"):
             opt.step()
         assert _same_on_all([torch.ones(3)])
 
@@ -236,12 +236,12 @@ def _check_own_overlap_misuse(hcg, version, world):
         opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()),
                                 hcg, _for(_CLASSES[version], st))
         F.mse_loss(model(x), y).backward()  # 1 of 2 micro-batches
-        with pytest.raises(ValueError, match="not complete after accumulate_steps=2"):
+        with pytest.raises(ValueError, match="did not get accumulate_steps=2"):
             opt.step()
         opt.zero_grad(set_to_none=release)
         for _ in range(3):  # a third one: counted, raised at step() on every rank
             F.mse_loss(model(x), y).backward()
-        with pytest.raises(ValueError, match=r"not complete after accumulate_steps=2 .*"
+        with pytest.raises(ValueError, match=r"did not get accumulate_steps=2 .*"
                            r"global rank 0: 3 backward passes, the fewest for a param 2"):
             opt.step()
         assert _same_on_all([torch.ones(3)])
