@@ -410,8 +410,8 @@ class PipelineParallel(nn.Module):
                     buffer._clear_grad_storage()
         else:
             _clear_grad(self.optimizer, set_to_zero=True)
-        self._marks.clear()  # beyond Paddle (skippable): nothing written since
 
+        self._marks.clear()  # beyond Paddle (skippable): nothing written since
         if self.lr_scheduler:
             self.lr_scheduler.step()
 
