@@ -322,18 +322,17 @@ class PipelineParallel(nn.Module):
 
     def _finish_schedule(self):
         """Tie sums; with comm overlap every bucket issued in order, agreed, waited, scaled."""
-        self._phase = Phase.SCHEDULED
         if self._shared:
             self._shared.allreduce_shared_weight_gradients()
-        if not self._comm_overlap:
-            return
-        self._scheduler.fire(self._scheduler.held)  # held back for the tie sum
-        self._scheduler.fire()
-        try:
-            self._scheduler.wait_and_agree(self._agree_groups(), self._device())
-        except Exception:  # refused, or a peer gone: this step's grads are dropped
-            self._discard_grads()
-            raise
+        if self._comm_overlap:
+            self._scheduler.fire(self._scheduler.held)  # held back for the tie sum
+            self._scheduler.fire()
+            try:
+                self._scheduler.wait_and_agree(self._agree_groups(), self._device())
+            except ValueError:  # refused on every rank, each settled: the step is dropped
+                self._discard_grads()
+                raise
+        self._phase = Phase.SCHEDULED  # only a schedule that ended (a gone peer leaves IDLE)
 
     def eval_batch(self, data: tuple, compute_loss: bool = True) -> torch.Tensor | None:
         """Forward only, on every rank of the pipe: the mean loss (else the last outputs)."""
