@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from comm_buffer import _backend_for, agree, main_grad_or_grad as _grad
+from comm_buffer import _backend_for, agree, main_grad_or_grad as _grad, weak_hook
 
 
 # ---- config (Paddle's distributed_strategy.proto field names) and topology ----
@@ -30,8 +30,9 @@ def _require(ok, message):
 
 
 def _require_count(name, value, none_ok=False):  # an int >= 1 (or None, if `none_ok`)
-    _require(none_ok and value is None or isinstance(value, int) and not isinstance(value, bool)
-             and value >= 1, f"{name} must be an int >= 1{' or None' * none_ok}, got {value!r}")
+    is_count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    ok = is_count or (none_ok and value is None)
+    _require(ok, f"{name} must be an int >= 1{' or None' * none_ok}, got {value!r}")
 
 
 @dataclass
@@ -49,7 +50,7 @@ class PpConfig:
     # Not a proto field: PipelineLayer's model chunks per rank (> 1: interleave, extras)
     num_virtual_pipeline_stages: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("enable_timer", "profiling"):
             _require(not getattr(self, name), f"pp_configs.{name} is not implemented; unset it")
         _require_count("pp_configs.num_virtual_pipeline_stages", self.num_virtual_pipeline_stages)
@@ -68,7 +69,7 @@ class DygraphShardingConfig:
     free_grads_in_comm: bool = False
     comm_buffer_size_MB: int = None  # [later] MB per bucket; None: 256 own, 128 pipeline
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _require_count("sharding_configs.accumulate_steps", self.accumulate_steps)
         _require_count("sharding_configs.comm_buffer_size_MB", self.comm_buffer_size_MB, True)
 
@@ -85,7 +86,7 @@ class HybridStrategy:
     pp_configs: PpConfig = field(default_factory=PpConfig)
     sharding_configs: DygraphShardingConfig = field(default_factory=DygraphShardingConfig)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("dp_degree", "pp_degree", "sharding_degree", "accumulate_steps"):
             _require_count(name, getattr(self, name))
         _require_count("micro_batch_size", self.micro_batch_size, none_ok=True)
@@ -108,8 +109,7 @@ class HybridStrategy:
 
 def sharding_config_problem(strategy: HybridStrategy) -> str | None:
     """What breaks the sharding configs' rules in `strategy` (Paddle's hybrid_configs), or None."""
-    configs = strategy.hybrid_configs
-    pp, sd, pp_degree = configs["pp_configs"], configs["sharding_configs"], configs["pp_degree"]
+    pp, sd, pp_degree = strategy.pp_configs, strategy.sharding_configs, strategy.pp_degree
     released = pp.release_gradients or (sd.release_gradients and not pp.sharding_comm_overlap)
     if sd.comm_overlap and (pp.sharding_comm_overlap or pp_degree > 1):
         return ("sharding_configs.comm_overlap is sharding's own overlap without a pipeline: it "
@@ -127,8 +127,7 @@ def sharding_config_problem(strategy: HybridStrategy) -> str | None:
 class HybridCommunicateGroup:
     """The dp x pp x sharding rank grid and its process groups (Paddle's HybridCommunicateGroup).
 
-    `rank = (dp_index * pp_degree + stage) * sharding_degree + sharding_index`; dp 2, pp 2,
-    sharding 2:
+    `rank = (dp_index * pp_degree + stage) * sharding_degree + sharding_index`; every degree 2:
 
         rank       0 1 2 3 4 5 6 7      sharding groups {0,1} {2,3} {4,5} {6,7}
         dp index   0 0 0 0 1 1 1 1      pipe groups     {0,2} {1,3} {4,6} {5,7}
@@ -144,7 +143,6 @@ class HybridCommunicateGroup:
         strategy.check_world_size(world)
         shape = (strategy.dp_degree, strategy.pp_degree, strategy.sharding_degree)
         grid = torch.arange(world).reshape(shape)
-        self._rank = rank
         self._coord = [int(c) for c in (grid == rank).nonzero()[0]]
         self._groups = []  # (group, global ranks) of this rank along dp, pp, sharding
         for axis, size in enumerate(shape):
@@ -176,10 +174,9 @@ def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta:
             return group._get_backend(device).options._timeout
         except Exception:  # noqa: BLE001 (private API: try the next device, then the default)
             continue
-    from torch.distributed import constants
-    nccl = "nccl" in str(dist.get_backend(group))
-    return (constants.default_pg_nccl_timeout if nccl and constants.default_pg_nccl_timeout
-            else constants.default_pg_timeout)
+    if "nccl" in str(dist.get_backend(group)) and dist.constants.default_pg_nccl_timeout:
+        return dist.constants.default_pg_nccl_timeout
+    return dist.constants.default_pg_timeout
 
 
 SET_DEVICE_FIX = ("add `torch.cuda.set_device(local_rank)` (local_rank = int(os.environ["
@@ -222,21 +219,23 @@ class GradMarks:
     """Beyond Paddle: which params got a grad since `clear()`, and which changed in place since."""
 
     def __init__(self, params: list) -> None:
-        self.params, self._written, self._hooks, self._events = params, {}, {}, [0]
+        self.params, self._hooks = params, {}
         self.clear()
         weakref.finalize(self, _remove_hooks, self._hooks)
 
     def clear(self) -> None:
         """Forget what was written; hook every trainable param (one unfrozen since, too)."""
-        self._written.clear()
-        self._events[0] = 0
-        self._cleared = {}
+        self._written, self._cleared, self._hooks_run = {}, {}, 0
         for p in self.params:
             if _grad(p) is not None:
                 self._cleared[id(p)] = id(_grad(p))
             if p.requires_grad and id(p) not in self._hooks:
-                mark = _marker(self._written, self._events)
-                self._hooks[id(p)] = p.register_post_accumulate_grad_hook(mark)
+                hook = weak_hook(GradMarks._mark, self)  # holds the marks weakly
+                self._hooks[id(p)] = p.register_post_accumulate_grad_hook(hook)
+
+    def _mark(self, param):  # param's grad hook: note (version, hook number, id) of its grad
+        self._written[id(param)] = (_grad(param)._version, self._hooks_run, id(_grad(param)))
+        self._hooks_run += 1
 
     def written(self) -> list:
         """Per param: a grad written since the last clear (by backward, or assigned by hand)."""
@@ -252,17 +251,9 @@ class GradMarks:
         for p in self.params:
             grad, seen = _grad(p), self._written.get(id(p))
             if grad is not None and seen is not None and seen[2] == id(grad):
-                if grad._version - seen[0] > self._events[0] - 1 - seen[1]:
+                if grad._version - seen[0] > self._hooks_run - 1 - seen[1]:
                     changed.append(p)
         return changed
-
-
-def _marker(written, events):
-    """A grad hook noting (version, hook number, id) of its param's grad; it holds neither."""
-    def mark(param):
-        written[id(param)] = (_grad(param)._version, events[0], id(_grad(param)))
-        events[0] += 1
-    return mark
 
 
 def _remove_hooks(hooks):
@@ -355,8 +346,7 @@ def new_params(params: torch.Tensor | Iterable, known: list) -> list:
     return params
 
 
-def _hyper(group):
-    return {k: v for k, v in group.items() if k != "params"}
+def _hyper(group): return {k: v for k, v in group.items() if k != "params"}
 
 
 class MixPrecisionOptimizer(_Wrapper):
@@ -427,21 +417,22 @@ class MixPrecisionOptimizer(_Wrapper):
 def _rebuilt(optimizer, groups):
     """A new optimizer of `optimizer`'s class and hyper-parameters over `groups`."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items()
-                                      if k in accepted})
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(groups, **defaults)
 
 
 def carries_state(optimizer: torch.optim.Optimizer) -> bool:
     """True if `optimizer` holds state a fresh one would not (stepped or loaded)."""
     if not optimizer.state:
         return False
-    fresh = _rebuilt(optimizer, [{**_hyper(g), "params": g["params"]}
-                                 for g in optimizer.param_groups])
+    fresh = _rebuilt(optimizer, [dict(g) for g in optimizer.param_groups])  # torch edits them
     for p, state in optimizer.state.items():
         new = fresh.state.get(p, {})
-        if set(state) != set(new) or not all(
-                torch.equal(torch.as_tensor(v), torch.as_tensor(new[k])) for k, v in state.items()):
+        if set(state) != set(new):
             return True
+        for k, v in state.items():
+            if not torch.equal(torch.as_tensor(v), torch.as_tensor(new[k])):
+                return True
     return False
 
 
