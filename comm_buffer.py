@@ -471,8 +471,7 @@ class FusedCommBuffer:
 
     @property
     def _all_params_checked_in(self):
-        return (self._params_checked_in == len(self._params)
-                and len(self._params_step_dict) == 0)
+        return self._params_checked_in == len(self._params) and len(self._params_step_dict) == 0
 
     def add_grad(self, param: torch.Tensor, use_comm: bool = True) -> None:
         """Check `param` in for this micro-batch; issue the collective once all are in."""
@@ -601,10 +600,8 @@ class FusedCommBuffer:
         return (self._task is not None and self.grad_storage is not None
                 and self.grad_storage._version != self._issued_version)
 
-    def _local_shard(self, buffer):
-        shard = buffer.numel() // self._nranks
-        rank = dist.get_rank(self._comm_group)
-        return buffer[rank * shard : (rank + 1) * shard]
+    def _local_shard(self, buffer):  # this rank's 1/nranks of `buffer`, a view
+        return buffer.chunk(self._nranks)[dist.get_rank(self._comm_group)]
 
     @torch.no_grad()
     def scale_grads(self, agree_in_flight: bool = True) -> None:
@@ -650,9 +647,7 @@ class FusedCommBuffer:
         full, group, n = self.param_storage, self._comm_group, self._nranks
         if not _stages_full_copies(group, full):
             return _all_gather(full, self._local_shard(full), group)
-        shard = full.numel() // n
-        pieces = [full[r * shard : (r + 1) * shard] for r in range(n)]
-        broadcast_each(pieces, group, [global_rank(group, r) for r in range(n)])
+        broadcast_each(full.chunk(n), group, [global_rank(group, r) for r in range(n)])
 
 
 @torch.no_grad()
