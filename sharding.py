@@ -33,7 +33,7 @@ from relgrad import (GradMarks, HybridCommunicateGroup, HybridStrategy, MixPreci
 def all_reduce_mean(grads: list, group: dist.ProcessGroup | None) -> None:
     """Paddle's `fused_allreduce_gradients`, unfused: the mean over `group`, in place."""
     scale, works = 1.0 / dist.get_world_size(group), []
-    for g in grads:
+    for g in grads:  # 16-bit sums scale first (no overflow), the others after (exact)
         if sums_in_16_bits(g.dtype):
             g.mul_(scale)
         works.append(dist.all_reduce(g, group=group, async_op=True))
@@ -221,7 +221,7 @@ class _Sharding(_Wrapper):
         problem = sharding_config_problem(strategy)  # again: a strategy is mutable
         if problem:
             raise ValueError(problem)
-        if grad_clip is not None:  # a Paddle-style clip: relgrad_extras.grad_clip checks it
+        if grad_clip is not None:  # TypeError unless a Paddle-style clip
             extras("grad_clip", "grad_clip=").check(grad_clip)
         self._grad_clip = grad_clip
         self._phase, self._marks = Phase.IDLE, GradMarks(self._parameter_list)
@@ -275,7 +275,7 @@ class _Sharding(_Wrapper):
 
     def _agree_at_step(self, opened: tuple, rules=()) -> list:
         """Open a step alike everywhere (one all-reduce); per param: did some rank write it."""
-        if self._phase in (Phase.REDUCED, Phase.STEPPED):
+        if self._phase == Phase.STEPPED:  # (REDUCED: _first_half raised)
             raise RuntimeError("step() ran again without the optimizer's clear_grad() / "
                                "zero_grad() in between; clear the grads after each step")
         written = self._marks.written()
@@ -472,8 +472,8 @@ class DygraphShardingOptimizer(_Sharding):
 
 # ---- Sharding v2 (split_param): flat shards of every bucket ----
 
-# Optimizers whose update of an element reads only that element's grad and state, so v2 may
-# step flat slices with them (Adagrad is too, but builds state over v2's empty placeholders).
+# Each element's update reads only its grad and state, so v2 may step flat slices (Adagrad is
+# too, but builds its state over v2's empty placeholders).
 _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adadelta,
                 torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam, torch.optim.RAdam,
                 torch.optim.RMSprop, torch.optim.Rprop)
@@ -495,7 +495,6 @@ class DygraphShardingOptimizerV2(_Sharding):
         self._wrap(optimizer, self._slice_params)
         self._comm_buffer_list = []
         config = strategy.hybrid_configs["sharding_configs"]
-        # [later] comm_buffer_size_MB: `_build_comm_buffers(acc_steps, size_MB * 1024 * 1024)`
         self._build_comm_buffers(config.accumulate_steps, _comm_buffer_bytes(config))
         self._finish_clear()  # the state as built (release off: the buffer's views)
 
@@ -520,8 +519,7 @@ class DygraphShardingOptimizerV2(_Sharding):
     def clear_grad(self, set_to_zero: bool = True) -> None:
         """Zero or drop every grad; with release and no pipeline overlap, free the buffers."""
         error = self._settle_for_clear()  # beyond Paddle (skippable): own overlap, every rank
-        if error is not None:  # beyond Paddle: every rank raises it below, after zeroing
-            set_to_zero = True
+        set_to_zero = set_to_zero or error is not None  # an error: zero, raise it below
         # Seed hunk: the "should not erase grad buffer" assert holds only with release off
         if not self.sd_release_grads:
             _require_zero(set_to_zero)
@@ -545,11 +543,9 @@ class DygraphShardingOptimizerV2(_Sharding):
         if self._comm_buffer_list:
             return
         for p in self._parameter_list:
-            ref = getattr(p, "comm_buffer_ref", None)
-            if ref is not None:
-                del p.comm_buffer_ref
-                if ref() is not None:
-                    self._comm_buffer_list.append(ref())
+            ref = vars(p).pop("comm_buffer_ref", None)  # read once, as Paddle deletes it
+            if ref is not None and ref() is not None:
+                self._comm_buffer_list.append(ref())
         trainable = any(p.requires_grad for p in self._parameter_list)
         if not self._comm_buffer_list and self.pp_overlap and trainable:
             raise RuntimeError("sharding v2 found no buffers: under pp sharding_comm_overlap "
