@@ -483,6 +483,7 @@ class FusedCommBuffer:
             self._copy_grad_to_buffer(param)
         elif _grad_of(param, self.use_main_grad).data_ptr() != self._grads_to_addr[param]:
             raise ValueError(_ADDRESS_MSG.format(name=self.name(param)))
+
         self._params_step_dict[param] += 1
         if self._params_step_dict[param] == self._acc_steps:
             self._params_checked_in += 1
