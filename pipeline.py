@@ -5,7 +5,8 @@ Mirrors `PipelineParallel` (fleet/meta_parallel/pipeline_parallel.py) at commit 
 steady 1F1B -> cool-down -> wait and scale -> step -> release (with release, every buffer is
 freed after the step). Beyond Paddle: one agreement opens a step; p2p waits time out
 (`PipelineStageTimeout`); a rank that raises ends its process and the launcher ends the job.
-Ties, Paddle's clip, interleave: relgrad_extras/. Reference: Narayanan et al. (2021).
+Sections: comm overlap, one training step, eval, point-to-point. Ties, Paddle's clip and
+interleave live in relgrad_extras/. Reference: Narayanan et al. (2021).
 """
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -24,8 +25,6 @@ from sharding import (UNSLOTTED_RULE, BucketScheduler, _comm_buffer_bytes, agree
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # p2p meta codes
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
 _ABANDONED = []  # p2p works that timed out: kept, the backend may still fill their buffers
-
-
 STEP_REFUSED_RULE = ("train_batch's step was refused on some rank, so on every rank (its grads "
                      "dropped, its buffers released): fix the cause, clear the grads and go on")
 
@@ -48,11 +47,10 @@ def _chunk_of(bounds, name):  # the model chunk (stage) that holds layer name's 
     return max(c for c in range(len(bounds) - 1) if bounds[c] <= index)
 
 
-def _build_segment(layers):
-    modules = list(layers)
-    for i, layer in enumerate(modules):
-        if not isinstance(layer, nn.Module):  # a zero-argument callable (Paddle's LayerDesc)
-            modules[i] = layer()
+def _build_segment(layers):  # a zero-argument callable is built here (Paddle's LayerDesc)
+    modules = []
+    for layer in layers:
+        modules.append(layer if isinstance(layer, nn.Module) else layer())
     return nn.Sequential(*modules)
 
 
@@ -86,8 +84,8 @@ class PipelineParallel(nn.Module):
         pp_configs = strategy.hybrid_configs["pp_configs"]
         self._hcg, self._strategy, self._loss_fn = hcg, strategy, loss_fn
         self.num_stages, self.stage_id = hcg.get_pipe_parallel_world_size(), hcg.get_stage_id()
-        self.accumulate_steps, self.micro_batch_size = (strategy.accumulate_steps,
-                                                        strategy.micro_batch_size)
+        self.accumulate_steps = strategy.accumulate_steps
+        self.micro_batch_size = strategy.micro_batch_size
         self._dp_comm_overlap = pp_configs.dp_comm_overlap
         self._sharding_comm_overlap = pp_configs.sharding_comm_overlap
         self._delay_scale_loss = pp_configs.delay_scale_loss
@@ -95,7 +93,7 @@ class PipelineParallel(nn.Module):
         self._release_gradients = strategy.hybrid_configs["pp_configs"].release_gradients
 
         self._sharding_split_param = strategy.hybrid_configs["sharding_configs"].split_param
-        self._check_config(hcg, getattr(pp_configs, "num_virtual_pipeline_stages", 1))
+        self._check_config(hcg, pp_configs.num_virtual_pipeline_stages)
         self._comm_overlap = self._dp_comm_overlap or self._sharding_comm_overlap
         layers = list(layers)  # Paddle is handed a PipelineLayer; here the stage is cut
         self._layers, bounds = self._build_layers(layers, seg_boundaries)
@@ -141,9 +139,10 @@ class PipelineParallel(nn.Module):
     def _check_untied_shares(self, layers, bounds, shared_weights):
         """Beyond Paddle: one Parameter in two stages' layers must be tied (raised alike)."""
         ties = [set(tie) for tie in shared_weights or ()]
-        first = {}
-        for i, layer in enumerate(layers):
-            for name, p in layer.named_parameters() if isinstance(layer, nn.Module) else ():
+        first = {}  # id(param) -> the first name it was seen under
+        built = [(i, layer) for i, layer in enumerate(layers) if isinstance(layer, nn.Module)]
+        for i, layer in built:  # a LayerDesc builds its params on its own stage
+            for name, p in layer.named_parameters():
                 first.setdefault(id(p), f"{i}.{name}")
                 tied = any({first[id(p)], f"{i}.{name}"} <= tie for tie in ties)
                 self._check_share(first[id(p)], f"{i}.{name}", bounds, tied)
@@ -175,16 +174,18 @@ class PipelineParallel(nn.Module):
                        acc_steps: int, dp: bool, param2rank: dict | None = None,
                        group_size: int = 128 * 1024 * 1024) -> None:
         """Paddle's: hooked buffers per chunk: ALL_REDUCE dp, REDUCE v1, REDUCE_SCATTER v2."""
-        act = (HOOK_ACTION.ALL_REDUCE if dp else HOOK_ACTION.REDUCE_SCATTER
-               if self._sharding_split_param else HOOK_ACTION.REDUCE)
+        act = HOOK_ACTION.REDUCE_SCATTER if self._sharding_split_param else HOOK_ACTION.REDUCE
+        if dp:
+            act = HOOK_ACTION.ALL_REDUCE
         chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
         for chunk_idx, chunk in enumerate(chunks):
-            params = [p for p in chunk.parameters() if p.requires_grad]
-            var_groups = defaultdict(list)  # Paddle returns at a chunk without params: we go on
-            for p in params:
-                var_groups[param2rank[p] if act == HOOK_ACTION.REDUCE else -1].append(p)
+            var_groups = defaultdict(list)  # dst -> params; Paddle returns at a chunk without any
+            for p in chunk.parameters():
+                if p.requires_grad and act == HOOK_ACTION.REDUCE:  # v1: to its owner's global rank
+                    var_groups[global_rank(comm_group, param2rank[p])].append(p)
+                elif p.requires_grad:  # to every rank
+                    var_groups[-1].append(p)
             for dst, group_params in var_groups.items():  # owners in order of appearance
-                dst = global_rank(comm_group, dst) if dst != -1 else -1
                 for group_idx, parameters in assign_group_by_size(group_params, group_size).items():
                     # Seed hunk: the buffer gets release_grads from pp_configs
                     buffer = FusedCommBuffer(group_idx, parameters, comm_group, acc_steps, act,
@@ -192,7 +193,7 @@ class PipelineParallel(nn.Module):
                     self._chunk_2_comm_buffers[chunk_idx].append(buffer)
 
         # Paddle's `param._register_backward_hook(self.bw_hook_func(buffer, param))`, through the
-        # bucket scheduler (one firing order on every rank; a tied copy's waits for the tie sum)
+        # bucket scheduler: one firing order on every rank; a tied copy's waits for the tie sum
         buffers = [b for bs in self._chunk_2_comm_buffers.values() for b in bs]
         free = not dp and self._strategy.hybrid_configs["sharding_configs"].free_grads_in_comm
         plug_free_in_comm(buffers, free)  # [later] PaddleNLP #9081
@@ -206,8 +207,8 @@ class PipelineParallel(nn.Module):
         if self._sharding_hooks_registered:
             return
         param2rank = None if self._sharding_split_param else optimizer._param2rank  # v1's owners
-        # [later] comm_buffer_size_MB, when set (Paddle's pipeline keeps 128 MB)
-        size = _comm_buffer_bytes(self._strategy.hybrid_configs["sharding_configs"], 128)
+        sharding_configs = self._strategy.hybrid_configs["sharding_configs"]
+        size = _comm_buffer_bytes(sharding_configs, 128)  # [later] comm_buffer_size_MB, if set
         self.fused_gradient(self._layers, self._hcg.get_sharding_parallel_group(),
                             self.accumulate_steps, dp=False, param2rank=param2rank, group_size=size)
         self._sharding_hooks_registered = True
@@ -219,9 +220,9 @@ class PipelineParallel(nn.Module):
                     grad_clip: Callable | None = None) -> torch.Tensor:
         """1F1B over `data = (inputs, labels)`, then `_optimizer_step`; the mean loss everywhere."""
         self._check_accumulation()  # before _prepare_training builds sharding buffers
-        try:  # a stage that refuses to start tells the others at the entry agreement
+        refused = None  # a stage that refuses to start tells the others at the entry agreement
+        try:
             self._prepare_training(optimizer, lr_scheduler, grad_clip)
-            refused = None
         except (ValueError, TypeError) as error:
             refused = error
         self._agree_at_entry(refused, data)
@@ -236,16 +237,17 @@ class PipelineParallel(nn.Module):
         return self._schedule(data)
 
     def _agree_groups(self):  # pipe, sharding, dp: together every rank of the job
-        hcg = self._hcg
-        return [hcg.get_pipe_parallel_group()] + [g for n, g in (
-            (hcg.get_sharding_parallel_world_size(), hcg.get_sharding_parallel_group()),
-            (hcg.get_data_parallel_world_size(), hcg.get_data_parallel_group())) if n > 1]
+        hcg, groups = self._hcg, [self._hcg.get_pipe_parallel_group()]
+        if hcg.get_sharding_parallel_world_size() > 1:
+            groups.append(hcg.get_sharding_parallel_group())
+        if hcg.get_data_parallel_world_size() > 1:
+            groups.append(hcg.get_data_parallel_group())
+        return groups
 
     def _agree_at_entry(self, refused=None, data=None):
         """Beyond Paddle: before the first p2p, raise everywhere what a rank saw (or time out)."""
-        clip, batch = self._grad_clip, None
-        if data is not None:
-            batch = self._batch_problem(data)
+        batch = None if data is None else self._batch_problem(data)
+        clip = (self._grad_clip is not None, getattr(self._grad_clip, "clip_norm", None))
         try:
             agree(self._agree_groups(), [
                 ("train_batch: a batch does not split into accumulate_steps micro-batches; pass "
@@ -253,17 +255,15 @@ class PipelineParallel(nn.Module):
                 ("train_batch refused", refused and f"{type(refused).__name__}: {refused}")],
                 [("accumulate_steps", self.accumulate_steps),
                  ("the batch's samples", _batch_size(data)),
-                 ("train_batch's grad_clip (given, clip_norm)",
-                  (clip is not None, getattr(clip, "clip_norm", None)))],
+                 ("train_batch's grad_clip (given, clip_norm)", clip)],
                 device=self._device(), timeout=self._p2p_timeout, title=(
                     "train_batch's entry check: every rank of the job must run the same "
                     "accumulate_steps, batch size and grad_clip (build each HybridStrategy alike)"))
         except TimeoutError as error:
             absent = sorted(getattr(error, "absent", ()))
-            stages = [s for s in range(self.num_stages) if self._hcg.get_rank_from_stage(s)
-                      in absent]
-            who = f"stage(s) {stages} of the pipe (global rank(s) {absent})" if absent else (
-                "a rank of the job (its arrival was not seen: an earlier failure?)")
+            who = "a rank of the job (its arrival was not seen: an earlier failure?)"
+            if absent:
+                who = f"stage(s) {self._stages_of(absent)} of the pipe (global rank(s) {absent})"
             raise self._stage_timeout(f"train_batch's entry check: {who} did not reach it",
                                       who) from error
 
@@ -287,36 +287,30 @@ class PipelineParallel(nn.Module):
 
     def _schedule(self, data):
         """Warm-up, steady 1F1B, cool-down, then `_finish_schedule`; returns the mean loss."""
-        inputs, labels = self._micro_batches(data)
-        acc, self.schedule_trace, queue = self.accumulate_steps, [], []
-        self._meta_sent = self._meta_recv = None
-        self._total_loss = torch.zeros((), device=self._device())
-        startup_steps = min(self.num_stages - self.stage_id - 1, acc)
-        steady_steps, fwd, bwd = acc - startup_steps, 0, 0
-        for _ in range(startup_steps):  # warm-up: forwards only
-            x = self.recv_forward(inputs[fwd])
-            out = self._forward_step(x, labels[fwd], fwd)
+        inputs, labels = self._new_batch(data)
+        self.schedule_trace, queue = [], []  # queue: (input, output) awaiting their backward
+        acc = self.accumulate_steps
+        warm = min(self.num_stages - self.stage_id - 1, acc)
+        for k in range(warm):  # warm-up: forwards only
+            x = self.recv_forward(inputs[k])
+            out = self._forward_step(x, labels[k], k)
             self.send_forward(out)
             queue.append((x, out))
-            fwd += 1
-        if steady_steps > 0:
-            x = self.recv_forward(inputs[fwd])
-        for i in range(steady_steps):  # steady 1F1B: a forward, then the oldest backward
-            out = self._forward_step(x, labels[fwd], fwd)
+        if warm < acc:
+            x = self.recv_forward(inputs[warm])
+        for k in range(warm, acc):  # steady 1F1B: forward k, then backward k - warm
+            out = self._forward_step(x, labels[k], k)
             out_grad = self.send_forward_recv_backward(out)
             queue.append((x, out))
-            fwd += 1
-            in_grad = self._backward_step(*queue.pop(0), out_grad, bwd)
-            bwd += 1
-            if i == steady_steps - 1:
+            in_grad = self._backward_step(*queue.pop(0), out_grad, k - warm)
+            if k == acc - 1:
                 self.send_backward(in_grad)
             else:
-                x = self.send_backward_recv_forward(in_grad, inputs[fwd])
-        for _ in range(startup_steps):  # cool-down: the remaining backwards
-            x_done, out_done = queue.pop(0)
-            out_grad = self.recv_backward(out_done)
-            self.send_backward(self._backward_step(x_done, out_done, out_grad, bwd))
-            bwd += 1
+                x = self.send_backward_recv_forward(in_grad, inputs[k + 1])
+        for k in range(acc - warm, acc):  # cool-down: the remaining backwards
+            x, out = queue.pop(0)
+            out_grad = self.recv_backward(out)
+            self.send_backward(self._backward_step(x, out, out_grad, k))
         self._finish_schedule()
         return self._broadcast_final_loss()
 
@@ -335,11 +329,11 @@ class PipelineParallel(nn.Module):
         self._phase = Phase.SCHEDULED  # only a schedule that ended (a gone peer leaves IDLE)
 
     def eval_batch(self, data: tuple, compute_loss: bool = True) -> torch.Tensor | None:
-        """Forward only, on every rank of the pipe: the mean loss (else the last outputs)."""
-        inputs, labels = self._micro_batches(data)
-        self._meta_sent = self._meta_recv = None
-        self._total_loss = torch.zeros((), device=self._device())
-        outputs, last = [], self.stage_id == self.num_stages - 1
+        """Forward only over the pipe (Paddle's `eval_batch`): the mean loss on every rank, or
+        with `compute_loss=False` the last stage's outputs (None on the other stages)."""
+        inputs, labels = self._new_batch(data)
+        last = self.stage_id == self.num_stages - 1
+        outputs = []
         with torch.no_grad():
             for k in range(self.accumulate_steps):
                 out = self._layers(self.recv_forward(inputs[k]))
@@ -351,8 +345,15 @@ class PipelineParallel(nn.Module):
                     self.send_forward(out)
         if not compute_loss:
             return torch.cat(outputs) if outputs else None
-        self._total_loss /= self.accumulate_steps
-        return self._broadcast_final_loss(scaled=True)
+        if not self._delay_scale_loss:  # else _broadcast_final_loss divides the sum once
+            self._total_loss /= self.accumulate_steps
+        return self._broadcast_final_loss()
+
+    def _new_batch(self, data):
+        """`data`'s micro-batches; the activations' meta and the loss start afresh."""
+        self._meta_sent = self._meta_recv = None
+        self._total_loss = torch.zeros((), device=self._device())
+        return self._micro_batches(data)
 
     def _batch_problem(self, data):
         batch = _batch_size(data)
@@ -388,9 +389,9 @@ class PipelineParallel(nn.Module):
             torch.autograd.backward(out, grad_tensors=out_grad)
         return x.grad if x.requires_grad else None
 
-    def _broadcast_final_loss(self, scaled=False):
+    def _broadcast_final_loss(self):  # the mean loss, from the last stage to the pipe
         loss = self._total_loss
-        if self._delay_scale_loss and not scaled:
+        if self._delay_scale_loss:
             loss = loss / self.accumulate_steps
         dist.broadcast(loss, src=self._hcg.get_rank_from_stage(self.num_stages - 1),
                        group=self._hcg.get_pipe_parallel_group())
@@ -417,9 +418,9 @@ class PipelineParallel(nn.Module):
     def _agree_on_step(self):
         """Beyond Paddle: each stage reduces and agrees; a refusal anywhere drops it everywhere."""
         params = list(self._layers.parameters())
+        refused = None
         try:
             self._reduce_for_step(params)
-            refused = None
         except ValueError as error:
             refused = f"{type(error).__name__}: {error}"
         try:
@@ -434,22 +435,24 @@ class PipelineParallel(nn.Module):
 
     def _reduce_for_step(self, params):
         """delay_scale_loss, then HybridParallelOptimizer's reduce (sharding's or the dp one)."""
-        for g in [_grad(p) for p in params] if self._delay_scale_loss else ():
-            if g is not None:  # in place: Paddle's `grad.scale(1/acc)` rebinds the grad
-                g.mul_(1.0 / self.accumulate_steps)
-        hcg, slotted = self._hcg, {id(p) for b in self._scheduler.buffers for p in b.params}
+        for p in params:  # delay_scale_loss: in place (Paddle's `grad.scale(1/acc)` rebinds it)
+            if self._delay_scale_loss and _grad(p) is not None:
+                _grad(p).mul_(1.0 / self.accumulate_steps)
+        slotted = set()
+        for buffer in self._scheduler.buffers:
+            slotted.update(id(p) for p in buffer.params)
         unslotted = [p for p in params if p.requires_grad and id(p) not in slotted]
         if self._comm_overlap and unslotted:
-            names = [f"{tuple(p.shape)}" for p in unslotted]
-            raise ValueError(f"{UNSLOTTED_RULE} (params of shapes {first_few(names)})")
+            shapes = [str(tuple(p.shape)) for p in unslotted]
+            raise ValueError(f"{UNSLOTTED_RULE} (params of shapes {first_few(shapes)})")
         if hasattr(self.optimizer, "finish_grad_sync"):
             self.optimizer.finish_grad_sync()
             return
         written = self._marks.written()
-        if hcg.get_data_parallel_world_size() > 1:  # the hyper-parameters agreed too
-            written = agreed_all_reduce_mean(params, hcg.get_data_parallel_group(), self._device(),
-                                             self.optimizer.param_groups, written,
-                                             reduce=not self._dp_comm_overlap)
+        if self._hcg.get_data_parallel_world_size() > 1:  # the hyper-parameters agreed too
+            written = agreed_all_reduce_mean(
+                params, self._hcg.get_data_parallel_group(), self._device(),
+                self.optimizer.param_groups, written, reduce=not self._dp_comm_overlap)
         for p, some_rank in zip(params, written):
             if not some_rank:  # a zeroed grad no rank wrote (release off): not stepped, as torch
                 clear_grad_func(p, set_to_zero=False)
@@ -461,8 +464,9 @@ class PipelineParallel(nn.Module):
         if self.optimizer is not None:
             _clear_grad(self.optimizer, set_to_zero=not self._release_gradients)
             self._marks.clear()
-        for buffer in self._scheduler.buffers if self._release_gradients else ():
-            buffer._clear_grad_storage()  # every model chunk's
+        if self._release_gradients:
+            for buffer in self._scheduler.buffers:  # every model chunk's
+                buffer._clear_grad_storage()
 
     def _check_accumulation(self):
         """A second schedule before the step, with overlap or ties: raised on every rank."""
@@ -477,9 +481,8 @@ class PipelineParallel(nn.Module):
     def _device(self):
         return comm_device(self._layers.parameters(), self._hcg.get_pipe_parallel_group())
 
-    # Named operations (Megatron's), each one batched exchange with the neighbours: `out`, an
-    # activation, goes to the next stage and its grad comes back (None on the last stage);
-    # `in_grad` goes to the previous stage and the next input comes back (on the first: data).
+    # Megatron's named operations, one batched exchange each: `out` goes to the next stage and its
+    # grad comes back (last stage: None); `in_grad` goes back, the next input comes in (first: data)
 
     def send_forward(self, out: torch.Tensor) -> None:
         self._p2p(send_next=out)
@@ -501,11 +504,12 @@ class PipelineParallel(nn.Module):
         return self._p2p(recv_next=out)
 
     def _p2p(self, send_next=None, send_prev=None, recv_next=None, recv_prev=False, fallback=None):
-        """Batched isend / irecv with the neighbours; the next activation or `recv_next`'s grad."""
+        """Batched isend / irecv with the neighbours; returns the input from the previous stage
+        (on the first: `fallback`), or the grad of `recv_next` from the next one, or None."""
         first, last = self.stage_id == 0, self.stage_id == self.num_stages - 1
         prev = None if first else self._hcg.get_rank_from_stage(self.stage_id - 1)
         nxt = None if last else self._hcg.get_rank_from_stage(self.stage_id + 1)
-        group, ops, got_prev, got_next = self._hcg.get_pipe_parallel_group(), [], None, None
+        group, ops, got = self._hcg.get_pipe_parallel_group(), [], fallback
         if send_next is not None and not last:
             if self._meta_sent is None:  # shape and dtype of activations, once per batch
                 self._p2p_one(dist.isend, self._meta(send_next), nxt, group)
@@ -518,26 +522,25 @@ class PipelineParallel(nn.Module):
                 meta = torch.zeros(_META_LEN, dtype=torch.long, device=self._device())
                 self._p2p_one(dist.irecv, meta, prev, group)
                 self._meta_recv = (_DTYPES[int(meta[0])], meta[2 : 2 + int(meta[1])].tolist())
-            got_prev = torch.empty(self._meta_recv[1], dtype=self._meta_recv[0],
-                                   device=self._device())
-            ops.append(dist.P2POp(dist.irecv, got_prev, prev, group))
+            dtype, shape = self._meta_recv
+            got = torch.empty(shape, dtype=dtype, device=self._device())
+            ops.append(dist.P2POp(dist.irecv, got, prev, group))
         if recv_next is not None and not last:
-            got_next = torch.empty_like(recv_next)
-            ops.append(dist.P2POp(dist.irecv, got_next, nxt, group))
+            got = torch.empty_like(recv_next)
+            ops.append(dist.P2POp(dist.irecv, got, nxt, group))
         if ops:
             self._wait_p2p(dist.batch_isend_irecv(ops), [op.peer for op in ops])
-        if recv_prev and first:
-            return fallback
-        if got_prev is not None:
-            return got_prev.requires_grad_(got_prev.is_floating_point())
-        return got_next
+        if recv_prev and not first:  # an activation: its grad goes back to the previous stage
+            got.requires_grad_(got.is_floating_point())
+        return got
 
     def _p2p_one(self, op, tensor, peer, group):  # batched: nccl opens a communicator per pair
         self._wait_p2p(dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)]), [peer])
 
     def _wait_p2p(self, works, peers):
         """Beyond Paddle: wait for p2p `works` (peers: global ranks) within the group's timeout."""
-        peers = peers if len(peers) == len(works) else [None] * len(works)
+        if len(peers) != len(works):  # one work for a coalesced batch: any peer may be late
+            peers = [None] * len(works)
         for work, peer in zip(works, peers):
             try:
                 work.wait(self._p2p_timeout)
@@ -545,10 +548,12 @@ class PipelineParallel(nn.Module):
                 if not is_timeout_error(error):
                     raise
                 _ABANDONED.append(works)  # the backend must not free a buffer it may fill
-                stages = [s for s in range(self.num_stages)
-                          if peer in (None, self._hcg.get_rank_from_stage(s))]
+                stages = list(range(self.num_stages)) if peer is None else self._stages_of([peer])
                 raise self._stage_timeout(f"stage(s) {stages} did not answer a p2p message",
                                           f"stage(s) {stages}") from error
+
+    def _stages_of(self, ranks):  # the stages whose global rank is in `ranks`
+        return [s for s in range(self.num_stages) if self._hcg.get_rank_from_stage(s) in ranks]
 
     def _stage_timeout(self, what, who):
         return PipelineStageTimeout(
@@ -561,4 +566,3 @@ class PipelineParallel(nn.Module):
                              f"dims; got {t.dtype} with shape {tuple(t.shape)}")
         dims = list(t.shape) + [0] * (_META_LEN - 2 - t.dim())
         return torch.tensor([_DTYPES.index(t.dtype), t.dim()] + dims, device=t.device)
-
