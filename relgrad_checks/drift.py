@@ -1,10 +1,10 @@
 """What the README, docs/, `--help` and the core modules' docstrings cite, read from the files.
 
-The drift tests check each citation against the code: a path (relative to the repo root; a
-markdown link relative to its document), a `module.name` (imported, then `getattr`), a
-`file.py: Class.method` (the file's module imported, the name looked up), and each line range
-of the README's hunk table (the method's lines as `ast` sees them, holding its `Seed hunk`
-mark). Pure file reading, no process is started.
+The drift tests check each citation against the code: a path (from the repo root; a markdown
+link from its document), a `module.name` (imported, then `getattr`), a `file.py: Class.method`,
+each line range of the README's hunk table (the method's lines as `ast` sees them, holding its
+`Seed hunk` mark), and that every ```python block is a recipe a test runs or says why not.
+Pure file reading: no process is started. `python -m relgrad_checks.drift` fixes the ranges.
 """
 import ast
 import functools
@@ -36,6 +36,36 @@ _CONFIGS = {"pp_configs": "PpConfig", "sharding_configs": "DygraphShardingConfig
 def docs():
     """README.md and docs/*.md, relative to the repo root."""
     return [Path("README.md")] + sorted(p.relative_to(REPO) for p in (REPO / "docs").glob("*.md"))
+
+
+_TAG = re.compile(r"<!-- recipe (\w+): ([^>]*?) -->\n```python\n(.*?)```", re.S)
+_FENCE = re.compile(r"^```python\n", re.M)
+_MARK = re.compile(r"<!-- (recipe \w+: [^>]*?|not run: [^>]+?) -->\n$")
+
+
+def readme_recipes():
+    """{name: (files to copy, snippet source)} of every tagged recipe; ValueError on a name
+    tagged twice."""
+    found = {}
+    for doc in docs():
+        for m in _TAG.finditer((REPO / doc).read_text()):
+            if m.group(1) in found:
+                raise ValueError(f"recipe {m.group(1)!r} is tagged twice (again in {doc})")
+            found[m.group(1)] = (m.group(2).split(), m.group(3))
+    return found
+
+
+def fenced_python_blocks():
+    """[(doc, line, the marker above it or None)] of every ```python block: a test runs it when
+    the marker is `<!-- recipe NAME: files -->`; `<!-- not run: reason -->` says why not."""
+    blocks = []
+    for doc in docs():
+        text = (REPO / doc).read_text()
+        for m in _FENCE.finditer(text):
+            before = text[:m.start()]
+            mark = _MARK.search(before[before.rstrip("\n").rfind("\n") + 1:])
+            blocks.append((str(doc), before.count("\n") + 1, mark and mark.group(1)))
+    return blocks
 
 
 def core_docstrings():
@@ -130,6 +160,17 @@ def resolve_in_file(file, name):
     if any(name in vars(cls) for cls in classes):
         return None
     return f"{file} defines no {name}"
+
+
+def link_problem(doc, target):
+    """Why the markdown link `target` of `doc` is broken, or None."""
+    file, _, anchor = target.partition("#")
+    path = ((REPO / doc).parent / file).resolve() if file else REPO / doc
+    if not path.exists():
+        return "no such file"
+    if anchor and anchor not in heading_anchors(path.read_text()):
+        return "no such heading"
+    return None
 
 
 def heading_anchors(text):

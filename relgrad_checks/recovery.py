@@ -1,8 +1,6 @@
-"""Rank-side checks of the recovery rule: a step that fails, fails on every rank of the job,
-leaves every rank in the same state, and after the documented clear training goes on as one
-process that skipped the refused step. Groups (and the store) get short timeouts, so that a
-hang ends as an error within seconds; a bad step seen differently across ranks raises here
-(naming what each rank saw), since the ranks cannot go on in step after it."""
+"""Rank-side checks of the recovery rule: a refused step is refused on every rank, leaves every
+rank in the same state, and after the documented clear training goes on as one process that
+skipped that step. Groups and the store get short timeouts, so a hang ends as an error."""
 import contextlib
 import time
 from datetime import timedelta
@@ -14,10 +12,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline import PipelineParallel
-from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig
+from relgrad import HybridCommunicateGroup
 from relgrad_checks.common import _data, _io, _mlp, _mse, _pipe_layers, _strategy
-from relgrad_checks.failures import _caught
-from relgrad_checks.loops import _CLASSES, SIZES, _micro_batches, _sharded
+from relgrad_checks.loops import (CLASSES, SIZES, backward, caught, clear, own_strategy, params,
+                                  sharded)
 from relgrad_extras.interleave import PipelineParallelWithInterleave
 
 WAIT = timedelta(seconds=8)  # groups' and store's timeout in a scenario (a shared machine)
@@ -44,19 +42,9 @@ def _refused_alike(seen):
         raise AssertionError(f"the bad step was not refused alike on every rank: {every}")
 
 
-def _clear(opt, release):
-    """The documented recovery: drop the grads (release on) or zero them (release off)."""
-    opt.zero_grad() if release else opt.zero_grad(set_to_none=False)
-
-
-def _params(model):
-    return [p.detach().clone() for p in model.parameters()]
-
-
 def _one_process(model, steps, batch, replicas, acc, lr=LR):
-    """One process, AdamW(lr), each of `steps`' whole batch, its grads summed as the ranks sum
-    them: per replica over `acc` micro-batches of loss/acc, then the replicas' sums added and
-    scaled by 1/replicas (as the collectives do). Returns the params."""
+    """One process, AdamW(lr), each of `steps`' whole batch, its grads summed as the ranks do:
+    per replica over `acc` micro-batches of loss/acc, the sums added, scaled by 1/replicas."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for step in steps:
         x, y = _data(step, batch, *_io(model))
@@ -65,34 +53,38 @@ def _one_process(model, steps, batch, replicas, acc, lr=LR):
             for xm, ym in zip(xr.chunk(acc), yr.chunk(acc)):
                 (F.mse_loss(model(xm), ym) / acc).backward()
             grads = [p.grad for p in model.parameters()]
-            sums = grads if sums is None else [a if a is None else a + b
-                                               for a, b in zip(sums, grads)]
+            if sums is None:
+                sums = grads
+            else:
+                sums = [a if a is None else a + b for a, b in zip(sums, grads)]
             opt.zero_grad()
         for p, g in zip(model.parameters(), sums):
             p.grad = None if g is None else g * (1.0 / replicas)
         opt.step()
         opt.zero_grad()
-    return _params(model)
+    return params(model)
+
+
+def _freed(model, opt, release):
+    """Every fused buffer (the pipeline's and the optimizer's) holds no storage, with release."""
+    buffers = [b for bs in getattr(model, "_chunk_2_comm_buffers", {}).values() for b in bs]
+    buffers += getattr(opt, "comm_buffers", [])
+    return not release or all(b.grad_storage is None for b in buffers)
 
 
 def _bad_step(model, opt, change, release, run):
-    """`change(model, opt, True)`, `run()` (caught), `change(model, opt, False)`, then the
-    clear. Returns (error, params unchanged by it, every fused buffer freed with release (the
-    pipeline's and, under it, the optimizer's at once; its own by the clear), seconds)."""
-    def freed():
-        buffers = [b for bs in getattr(model, "_chunk_2_comm_buffers", {}).values() for b in bs]
-        buffers += getattr(opt, "comm_buffers", [])
-        return not release or all(b.grad_storage is None for b in buffers)
-
+    """`change(model, opt, True)`, `run()` (caught), `change(model, opt, False)`, the clear.
+    Returns (its error, params unchanged, buffers freed (the pipeline's at once), seconds)."""
     change(model, opt, True)
-    before, start = _params(model), time.monotonic()
-    seen = _caught(run)
-    seconds, after = time.monotonic() - start, _params(model)
-    at_once = freed() if isinstance(model, PipelineParallel) else True
+    before, start = params(model), time.monotonic()
+    seen = caught(run)
+    seconds, after = time.monotonic() - start, params(model)
+    at_once = _freed(model, opt, release) if isinstance(model, PipelineParallel) else True
     change(model, opt, False)
     _refused_alike(seen)
-    _clear(opt, release)
-    return seen, all(map(torch.equal, before, after)), at_once and freed(), seconds
+    clear(opt, release)
+    return seen, all(map(torch.equal, before, after)), at_once and _freed(model, opt, release), \
+        seconds
 
 
 # ---------------------------------------------------------------- under the pipeline
@@ -114,13 +106,14 @@ class Wrapped(nn.Module):
 
 
 def _pipe_recovery(st, cls, change, make_layers=_pipe_layers, steps=4, bad=1, lr=LR):
-    """Train `steps` batches of `make_layers()`, AdamW(lr) wrapped in `cls` (None: plain);
-    batch `bad` through `_bad_step`. Returns (its error, unchanged, freed, the params at the
-    end, one process over the other batches (this stage's part), this stage's bucket sizes)."""
+    """`steps` batches of `make_layers()` under AdamW(lr) in `cls` (None: plain), batch `bad`
+    through `_bad_step`. Returns (its error, unchanged, freed, params, one process over the
+    other batches (this stage's part), this stage's bucket sizes)."""
     hcg = HybridCommunicateGroup(st, timeout=WAIT)
     model = PipelineParallel(make_layers(), hcg, st, _mse)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    opt = cls(opt, hcg, st) if cls else opt
+    if cls:
+        opt = cls(opt, hcg, st)
     replicas = st.dp_degree * st.sharding_degree
     replica = hcg.get_data_parallel_rank() * st.sharding_degree \
         + hcg.get_sharding_parallel_rank()
@@ -137,8 +130,8 @@ def _pipe_recovery(st, cls, change, make_layers=_pipe_layers, steps=4, bad=1, lr
                         replicas, ACC, lr)
     counts = [len(list(layer.parameters())) for layer in whole]
     cut = [len(counts) * s // st.pp_degree for s in (model.stage_id, model.stage_id + 1)]
-    return (*seen[:3], _params(model), want[sum(counts[: cut[0]]): sum(counts[: cut[1]])],
-            [len(b.params) for bs in model._chunk_2_comm_buffers.values() for b in bs])
+    sizes = [len(b.params) for bs in model._chunk_2_comm_buffers.values() for b in bs]
+    return (*seen[:3], params(model), want[sum(counts[: cut[0]]): sum(counts[: cut[1]])], sizes)
 
 
 def _layouts(family, versions=(1, 2), overlaps=(False, True)):
@@ -152,12 +145,12 @@ def _layouts(family, versions=(1, 2), overlaps=(False, True)):
             for version in versions if family == "sharding" else ():
                 yield (f"v{version} overlap={overlap} release={release}", _strategy(
                     pp=2, sharding=2, acc=ACC, release=release, split_param=version == 2,
-                    sharding_comm_overlap=overlap), _CLASSES[version])
+                    sharding_comm_overlap=overlap), CLASSES[version])
 
 
 def lr_on_one_stage(rank, world, family):
-    """Each of `_layouts(family)`: the last rank (on stage 1) sets its lr 1.25x by hand for
-    batch 1, back after. Returns {case: _pipe_recovery's result}."""
+    """Each of `_layouts(family)`: the last rank (stage 1) sets its lr 1.25x for batch 1.
+    Returns {case: _pipe_recovery's result}."""
     def change(model, opt, bad):
         opt.param_groups[0]["lr"] = LR * 1.25 if bad and rank == world - 1 else LR
 
@@ -172,9 +165,8 @@ def _frozen_bias_layers():
 
 
 def unfrozen_on_one_stage(rank, world):
-    """pp 2 x sharding 2, v2 (sharding overlap off / on, release off / on): layer 4's bias
-    frozen when built, unfrozen on stage 1 (which holds it) for batch 1, frozen again after.
-    Returns {case: _pipe_recovery's result (the oracle's bias frozen throughout)}."""
+    """pp 2 x sharding 2, v2: layer 4's bias, frozen at build, unfrozen on its stage for batch
+    1. Returns {case: _pipe_recovery's result (one process keeps the bias frozen)}."""
     def change(model, opt, bad):
         if model.stage_id == 1:
             model._layers[1].bias.requires_grad_(bad)
@@ -191,9 +183,8 @@ def _wrapped_layers(index):
 
 
 def free_in_comm_pipeline(rank, world):
-    """pp 2 x sharding 2, sharding overlap + free_grads_in_comm, release on, v1 / v2: in batch
-    1 the last Linear's bias gets no grad on global rank 3 (refused by the schedule's end
-    agreement). Returns {case: _pipe_recovery's result}."""
+    """pp 2 x sharding 2, sharding overlap + free_grads_in_comm, release on, v1 / v2: in batch 1
+    the last Linear's bias gets no grad on rank 3. Returns {case: _pipe_recovery's result}."""
     def change(model, opt, bad):
         if rank == 3:
             model._layers[3].mode = "no_bias" if bad else "plain"
@@ -208,9 +199,9 @@ def free_in_comm_pipeline(rank, world):
 
 
 def reentrant_checkpoint(rank, world):
-    """pp 2 x sharding 2, sharding overlap, v1 / v2, release off / on: in batch 1 stage 0's
-    first Linear (weight (8, 6)) runs under a reentrant checkpoint on data (its params get no
-    grad), then under use_reentrant=False. Returns {case: _pipe_recovery's result}."""
+    """pp 2 x sharding 2, sharding overlap: in batch 1 stage 0's first Linear runs under a
+    reentrant checkpoint on data (no grad for it), then under use_reentrant=False. Returns
+    {case: _pipe_recovery's result}."""
     def change(model, opt, bad):
         if model.stage_id == 0:
             model._layers[0].mode = "reentrant" if bad else "non_reentrant"
@@ -239,23 +230,15 @@ class Branchy(nn.Module):
 SMALL, LARGE = (4, 8, 3), (512, 512, 512)  # LARGE: 1 MiB weights (one bucket each at 1 MB)
 
 
-def _own_strategy(version, release, acc=1, free=False, size_mb=None):
-    return HybridStrategy(sharding_degree=2, pp_configs=PpConfig(release_gradients=release),
-                          sharding_configs=DygraphShardingConfig(
-                              split_param=version == 2, comm_overlap=True, accumulate_steps=acc,
-                              release_gradients=release, free_grads_in_comm=free,
-                              comm_buffer_size_MB=size_mb))
-
-
 def _own_recovery(st, make_model, change, steps=4, bad=1, lr=LR):
-    """Sharding's own overlap on 2 ranks, `make_model()`, AdamW(lr): `steps` steps, step `bad`
-    through `_bad_step`. Returns (its error, unchanged, freed, the params at the end, one
-    process over the other steps, the buckets' sizes, the bad step's seconds)."""
+    """Own overlap on 2 ranks, `make_model()`, AdamW(lr): `steps` steps, step `bad` through
+    `_bad_step`. Returns (its error, unchanged, freed, params, one process over the other
+    steps, the bucket sizes, the bad step's seconds)."""
     hcg = HybridCommunicateGroup(st, timeout=WAIT)
     model, config = make_model(), st.sharding_configs
-    opt = _CLASSES[2 if config.split_param else 1](
+    opt = CLASSES[2 if config.split_param else 1](
         torch.optim.AdamW(model.parameters(), lr=lr), hcg, st)
-    acc, release = config.accumulate_steps, st.pp_configs.release_gradients
+    acc, release = config.accumulate_steps, config.release_gradients
 
     def one_step(step):
         x, y = (t.chunk(2)[dist.get_rank()] for t in _data(step, BATCH, *_io(model)))
@@ -267,12 +250,11 @@ def _own_recovery(st, make_model, change, steps=4, bad=1, lr=LR):
     for step in range(steps):
         if step != bad:
             one_step(step)
-            _clear(opt, release)
+            clear(opt, release)
         else:
             seen = _bad_step(model, opt, change, release, lambda: one_step(step))
     want = _one_process(make_model(), [s for s in range(steps) if s != bad], BATCH, 2, acc, lr)
-    return (*seen[:3], _params(model), want, [len(b.params) for b in opt.comm_buffers],
-            seen[3])
+    return (*seen[:3], params(model), want, [len(b.params) for b in opt.comm_buffers], seen[3])
 
 
 def _branch_left_out(model, opt, bad):
@@ -280,37 +262,43 @@ def _branch_left_out(model, opt, bad):
 
 
 def free_in_comm_own(rank, world, version, case):
-    """free_grads_in_comm (release on), v1 / v2, Branchy(*LARGE) (several buckets): in step 1
-    rank 1 leaves the branch out ("branch"), or sets another lr ("lr": refused once every
-    bucket was issued). Returns _own_recovery's result."""
+    """free_grads_in_comm, v`version`, Branchy(*LARGE) (several buckets): in step 1 rank 1
+    leaves the branch out ("branch") or sets another lr ("lr"). Returns _own_recovery's."""
     def other_lr(model, opt, bad):
         opt.param_groups[0]["lr"] = LR * 1.25 if bad and rank == 1 else LR
 
+    st = own_strategy(2, version, free_grads_in_comm=True, comm_buffer_size_MB=1)
     with _short_store_waits():
-        return _own_recovery(_own_strategy(version, True, free=True, size_mb=1),
-                             lambda: Branchy(*LARGE),
+        return _own_recovery(st, lambda: Branchy(*LARGE),
                              _branch_left_out if case == "branch" else other_lr)
 
 
 def unused_branch_named(rank, world):
-    """Own overlap, acc 2, v1 / v2, release off / on, Branchy(*SMALL): rank 1 leaves the
-    branch (weight (3, 4)) out in step 1. Returns {case: _own_recovery's result}."""
+    """Own overlap, acc 2, v1 / v2, release off / on, Branchy(*SMALL): rank 1 leaves the branch
+    (weight (3, 4)) out in step 1. Returns {case: _own_recovery's result}."""
+    out = {}
     with _short_store_waits():
-        return {f"v{v} release={r}": _own_recovery(_own_strategy(v, r, acc=ACC),
-                                                   lambda: Branchy(*SMALL), _branch_left_out)
-                for v in (1, 2) for r in (False, True)}
+        for v in (1, 2):
+            for r in (False, True):
+                out[f"v{v} release={r}"] = _own_recovery(own_strategy(2, v, acc=ACC, release=r),
+                                                         lambda: Branchy(*SMALL),
+                                                         _branch_left_out)
+    return out
 
 
 def frozen_after_build(rank, world):
-    """Own overlap, v1 / v2, release off / on, Branchy(*SMALL): the branch frozen on every
-    rank for step 1 (after build), unfrozen after it. Returns {case: _own_recovery's result}."""
+    """Own overlap, v1 / v2, release off / on, Branchy(*SMALL): the branch frozen on every rank
+    for step 1, after build. Returns {case: _own_recovery's result}."""
     def freeze(model, opt, bad):
         model.branch.requires_grad_(not bad)
 
+    out = {}
     with _short_store_waits():
-        return {f"v{v} release={r}": _own_recovery(_own_strategy(v, r), lambda: Branchy(*SMALL),
-                                                   freeze)
-                for v in (1, 2) for r in (False, True)}
+        for v in (1, 2):
+            for r in (False, True):
+                out[f"v{v} release={r}"] = _own_recovery(own_strategy(2, v, release=r),
+                                                         lambda: Branchy(*SMALL), freeze)
+    return out
 
 
 # ---------------------------------------------------------------- the store does not grow
@@ -328,20 +316,21 @@ def _key_counts(step, steps=10):
 
 
 def store_keys_own_overlap(rank, world):
-    """2 ranks: key counts over 10 steps of sharding's own overlap (v1 / v2, release off /
-    on) and of plain torch (AdamW, an all-reduce per grad). Returns {case: counts}."""
+    """2 ranks: key counts over 10 steps of own overlap (v1 / v2, release off / on) and of
+    plain torch (AdamW, an all-reduce per grad). Returns {case: counts}."""
     def loop(model, opt, release, reduce=False):
         def step(k):
-            for x, y in _micro_batches(rank, world, k, 1):
-                F.mse_loss(model(x), y).backward()
+            backward(model, rank, world, k)
             for p in model.parameters() if reduce else ():
                 dist.all_reduce(p.grad)
             opt.step()
-            _clear(opt, release)
+            clear(opt, release)
         return _key_counts(step)
 
-    out = {f"v{v} release={r}": loop(*_sharded(world, v, True, 1, r), r)
-           for v in (1, 2) for r in (False, True)}
+    out = {}
+    for v in (1, 2):
+        for r in (False, True):
+            out[f"v{v} release={r}"] = loop(*sharded(world, v, True, 1, r), r)
     model = _mlp(SIZES)
     out["plain torch"] = loop(model, torch.optim.AdamW(model.parameters(), lr=LR), True, True)
     return out
@@ -364,10 +353,9 @@ def store_keys_train_batch(rank, world):
 # ---------------------------------------------------------------- one Parameter in two chunks
 
 def param_in_two_chunks(rank, world):
-    """PipelineParallelWithInterleave, pp 2, 2 virtual stages, one nn.Linear at layers 0 and
-    4 (chunks 0 and 2, both on stage 0): pp 2 x sharding 2 (v2, sharding overlap) and pp 2 x
-    dp 2 (dp overlap), release off / on. Returns {case: (what construction raised, what a
-    train_batch raised after a construction that did not)}."""
+    """Interleave, pp 2, 2 virtual stages, one nn.Linear at layers 0 and 4 (chunks 0 and 2):
+    pp 2 x sharding 2 (v2, sharding overlap) and pp 2 x dp 2 (dp overlap), release off / on.
+    Returns {case: (what construction raised, what a later train_batch raised)}."""
     out = {}
     with _short_store_waits():
         for case, st, cls in [*_layouts("sharding", (2,), (True,)), *_layouts("dp", (), (True,))]:
@@ -377,12 +365,13 @@ def param_in_two_chunks(rank, world):
             shared, built, later = nn.Linear(8, 8), [], None
             layers = [shared, nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), shared, nn.Tanh(),
                       nn.Linear(8, 8)]
-            seen = _caught(lambda: built.append(
+            seen = caught(lambda: built.append(
                 PipelineParallelWithInterleave(layers, hcg, st, _mse)))
             if built:
                 opt = torch.optim.AdamW(built[0].parameters(), lr=LR)
-                later = _caught(built[0].train_batch, _data(0, ACC * MBS, 8, 8),
-                                cls(opt, hcg, st) if cls else opt)
+                if cls:
+                    opt = cls(opt, hcg, st)
+                later = caught(built[0].train_batch, _data(0, ACC * MBS, 8, 8), opt)
             out[case] = (seen, later)
             dist.barrier()  # on WORLD (its long timeout): every rank done with the case
     return out
@@ -398,15 +387,16 @@ def _lone_layers():
 
 def lone_weight(rank, world):
     """comm_buffer_size_MB=1, AdamW(1e-3), 3 steps of acc 2, v1 / v2, release off / on: own
-    overlap (2 ranks) or pp 2 x sharding 2 with sharding overlap (4 ranks; the weight on stage
-    0). Returns {case: (params, one process summing as the ranks sum, this rank's bucket
-    sizes)}."""
-    if world == 2:
-        cases = ((f"v{v} release={r}", _own_strategy(v, r, acc=ACC, size_mb=1))
-                 for v in (1, 2) for r in (False, True))
-        return {case: _own_recovery(st, lambda: nn.Sequential(*_lone_layers()), None, 3, None,
-                                    1e-3)[3:6] for case, st in cases}
+    overlap (2 ranks) or pp 2 x sharding 2 with sharding overlap (4 ranks). Returns {case:
+    (params, one process summing as the ranks sum, this rank's bucket sizes)}."""
     out = {}
+    if world == 2:
+        for v in (1, 2):
+            for r in (False, True):
+                st = own_strategy(2, v, acc=ACC, release=r, comm_buffer_size_MB=1)
+                out[f"v{v} release={r}"] = _own_recovery(
+                    st, lambda: nn.Sequential(*_lone_layers()), None, 3, None, 1e-3)[3:6]
+        return out
     for case, st, cls in _layouts("sharding", overlaps=(True,)):
         st.sharding_configs.comm_buffer_size_MB = 1
         out[case] = _pipe_recovery(st, cls, None, _lone_layers, 3, None, 1e-3)[3:6]
