@@ -1,8 +1,6 @@
-"""Rank-side checks of the loops people already run (habits.py's sequel): BatchNorm under recipe
-(a) against DDP itself, torch's clip and GradScaler on a ZeRO-1 optimizer, train.py's loop
-order, zero_grad()'s default with release off, a wrong comm_group under pp x dp, acc_steps, an
-expert no token reaches and a frozen BatchNorm under the pipeline, and the grads a step
-pre-hook or finish_grad_sync() sees."""
+"""Rank-side checks of the loops people already run: recipe (a) against DDP, torch's clip and
+GradScaler on ZeRO-1, train.py's order, zero_grad()'s default, the bare buffer's groups, the
+pipeline's experts and modes, and the grads a step pre-hook sees."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -12,7 +10,7 @@ from comm_buffer import HOOK_ACTION, FusedCommBuffer
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from relgrad_checks.common import _data, _mlp, _mse, _strategy
-from relgrad_checks.loops import (BATCH, LR, SIZES, STEPS, backward, caught, cases, clear, hooked,
+from relgrad_checks.loops import (LR, SIZES, STEPS, backward, caught, cases, clear, hooked,
                                   micro_batches, oracle, params, sharded, train)
 from relgrad_extras.checkpoint import local_slices
 
@@ -68,8 +66,7 @@ def _edit(source, *pairs):
 
 
 def bn_recipe(source, release):
-    """Recipe (a)'s text with a BatchNorm1d model and RELEASE = `release`, then the tail: save
-    params and buffers, and an eval pass after broadcast_buffers(model, None)."""
+    """Recipe (a) with a BatchNorm1d model, RELEASE = `release`, saving its state and eval."""
     tail = _TAIL.format(imports="from comm_buffer import broadcast_buffers\n",
                         sync="broadcast_buffers(model, None)", forward="model")
     return _edit(source, (_MLP, "model = " + BN_MODEL), (", 4, True  #", f", 4, {release}  #"),
@@ -77,8 +74,7 @@ def bn_recipe(source, release):
 
 
 def zero_grad_default_recipe(source):
-    """Recipe (a)'s text with RELEASE = False and `opt.zero_grad()` (to None), saving per step
-    whether every grad is its slot's view after backward (views_rank{rank}.pt)."""
+    """Recipe (a) with release off and zero_grad() to None, saving VIEWS (grad is slot)."""
     check = ("    VIEWS.append([p.grad.data_ptr() == b.grad_storage[b.param2offset[p]:]"
              ".data_ptr() for b in buffers for p in b.params])\n")
     clip = "    torch.nn.utils.clip_grad_norm_("
@@ -92,9 +88,8 @@ def zero_grad_default_recipe(source):
 # ---------------------------------------------------------------- the sharding optimizers
 
 def torch_clip_no_overlap(rank, world):
-    """torch's clip_grad_norm_ on the model before step(), v1 / v2 without overlap, release off /
-    on; cleared, training on with opt.clip_grad_norm_(1.0). Returns ({case: (step()'s error,
-    params unchanged, params)}, one process clipping with torch)."""
+    """torch's clip on the model before step(), v1 / v2, no overlap; then opt's clip.
+    -> ({case: (error, params unchanged, params)}, one process clipping with torch)"""
     out = {}
     for case, (version, release) in cases(("v", (1, 2)), ("release", (False, True))):
         model, opt = sharded(world, version, False, 1, release)
@@ -110,10 +105,8 @@ def torch_clip_no_overlap(rank, world):
 
 
 def grad_scaler(rank, world):
-    """GradScaler("cpu") driving v1 / v2 (own overlap off / on, release off / on, acc 2), an inf
-    in one grad on rank 1: train.py's unscale_ + clip order or scaler.step right after backward;
-    cleared, STEPS steps without it. Returns ({case: (error, params unchanged, the later
-    steps' error, params)}, one process over those steps)."""
+    """GradScaler on v1 / v2, an inf on rank 1, unscale_ + clip or not; then STEPS steps
+    without it. -> ({case: (error, params unchanged, later error, params)}, one process)"""
     out = {}
     for case, (version, overlap, release, unscale) in cases(
             ("v", (1, 2)), ("overlap", (False, True)), ("release", (False, True)),
@@ -140,10 +133,9 @@ def grad_scaler(rank, world):
 
 
 def train_py_order(rank, world):
-    """train.py's order (forward, zero_grad, backward, step), release on, v1 / v2, own overlap
-    off / on, with or without an extra zero_grad() after step(); an eval forward between steps.
-    Returns ({case: ([(training, a buffer holds storage, a grad exists)] at each forward,
-    buffers, params)}, one process)."""
+    """train.py's order (zero_grad after the forward), with or without one more after
+    step(). -> ({case: ([(training, (buffer held, grad held))] per forward, buffers,
+    params)}, one process)"""
     out = {}
     for case, (version, overlap, extra) in cases(("v", (1, 2)), ("overlap", (False, True)),
                                                   ("extra", (True, False))):
@@ -174,10 +166,8 @@ def train_py_order(rank, world):
 
 
 def zero_grad_default(rank, world):
-    """torch's zero_grad() (to None) after each step: v1 (own overlap off / on, release off /
-    on), noting under overlap with release off whether each grad is its slot's view after
-    backward; v2 with release off: zero_grad()'s error, then zero_grad(set_to_none=False).
-    Returns ({case: (error, views, params)}, one process)."""
+    """zero_grad() to None after each step: v1 trains (grads views again under overlap),
+    v2 with release off refuses. -> ({case: (error, views, params)}, one process)"""
     out = {}
     for case, (version, overlap, release) in cases(("v", (1, 2)), ("overlap", (False, True)),
                                                     ("release", (False, True))):
@@ -197,14 +187,13 @@ def zero_grad_default(rank, world):
 
 
 def _views(opt):
-    """True if every grad of `opt`'s fused buffers is its slot's view."""
+    """Whether every grad of `opt`'s fused buffers is its slot's view."""
     return all(p.grad is not None and p.grad.data_ptr() == b._slot(p).data_ptr()
                for b in opt.comm_buffers for p in b.params)
 
 
 def _grads_seen(model, opt):
-    """The grads of what this rank steps, [(model param index, start, grad)]: v1 the owned
-    params' whole grads (start None), v2 the slice params' grads without padding."""
+    """[(param index, start, grad)] of what this rank steps: v1 whole grads, v2 its slices."""
     stepped = {id(p) for g in opt.param_groups for p in g["params"]}
     seen = []
     if not hasattr(opt, "_slice_params"):  # v1
@@ -222,10 +211,8 @@ def _grads_seen(model, opt):
 
 
 def grads_final(rank, world):
-    """Own overlap, v1 / v2, release off / on, acc 1 / 2: the grads a step pre-hook sees, or
-    those right after opt.finish_grad_sync() (and after the step() that follows). Returns
-    ({case: (per step _grads_seen, per step those kept bitwise by step(), params)}, one
-    process's (mean grads per step, params))."""
+    """The grads a step pre-hook or finish_grad_sync() sees, own overlap. -> ({case: (per
+    step _grads_seen, per step kept bitwise by step(), params)}, one process's (grads, params))"""
     out = {}
     for case, (version, release, acc, how) in cases(
             ("v", (1, 2)), ("release", (False, True)), ("acc", (1, 2)),
@@ -247,24 +234,15 @@ def grads_final(rank, world):
                     torch.equal(a[2], b[2]) for a, b in zip(after, seen[-1])))
             clear(opt, release)
         out[case] = (seen, kept, params(model))
-    model, grads = _mlp(SIZES), []
-    plain = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        x, y = _data(step, BATCH, SIZES[0], SIZES[-1])
-        F.mse_loss(model(x), y).backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-        plain.step()
-        plain.zero_grad()
-    return out, (grads, params(model))
+    grads = []
+    return out, (grads, oracle(grads=grads)[0])
 
 
 # ---------------------------------------------------------------- the bare buffer
 
 def wrong_group(rank, world):
-    """4 ranks, stage = rank // 2: stage 0 holds Linear(6, 8), stage 1 Linear(8, 6) ("shapes")
-    or Linear(6, 8) in bf16 ("dtype"), release off / on: a bare buffer built with
-    comm_group=None raises; with the stage's dp group, one SGD step. Returns {case: (error,
-    params, one process's)}."""
+    """A bare buffer built with comm_group=None over stages of other shapes or dtype, then
+    with each stage's group. -> {case: (error, params, one process's)}"""
     stage, out = rank // 2, {}
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     for case, (kind, release) in cases(("kind", ("shapes", "dtype")),
@@ -287,8 +265,7 @@ def wrong_group(rank, world):
 
 
 def _mean_step(shape, dtype, x, y):
-    """One process: one SGD(0.1) step of Linear(*shape) on the mean of the two replicas'
-    grads (16 bits: each halved before the sum, as the buffer does)."""
+    """One process: one SGD(0.1) step of Linear(*shape) on the two replicas' mean grad."""
     torch.manual_seed(0)
     one = nn.Linear(*shape).to(dtype)
     grads = []
@@ -305,8 +282,7 @@ def _mean_step(shape, dtype, x, y):
 
 
 def acc_steps_message(rank, world):
-    """A bare FusedCommBuffer built with acc_steps=1, 4 micro-batches per step, release off /
-    on. Returns {release: the error of the step's backwards}."""
+    """A bare buffer with acc_steps=1 under 4 micro-batches. -> {release: error}"""
     out = {}
     for release in (False, True):
         model = _mlp(SIZES)
@@ -341,8 +317,7 @@ def _bn_layers():
 
 
 def _pipeline(world, release, layers, steps, make_opt, before_step=lambda step: None):
-    """pp 2 (x dp 2 on 4 ranks, no overlap), acc 2 of 2 rows: `steps` train_batch calls.
-    Returns (model, this replica's data of a step, the stage's first param index)."""
+    """pp 2 (x dp 2 on 4 ranks), acc 2: `steps` train_batch calls. -> (model, batch, first index)"""
     st = _strategy(dp=world // 2, pp=2, acc=2, release=release)
     hcg = HybridCommunicateGroup(st)
     model = PipelineParallel(layers, hcg, st, _mse)
@@ -376,8 +351,8 @@ def _routed(layers):
 
 
 def moe_expert(rank, world):
-    """pp 2 (x dp 2 on 4 ranks), plain AdamW, release off / on, 4 steps: stage 1's expert gets
-    tokens in even steps only. Returns ({release: this stage's params}, one process's)."""
+    """pp 2 (x dp 2), AdamW: stage 1's expert gets tokens in even steps only.
+    -> ({release: this stage's params}, one process's)"""
     adamw, out = (lambda ps: torch.optim.AdamW(ps, lr=LR)), {}
     for release in (False, True):
         layers = _moe_layers()
@@ -389,9 +364,8 @@ def moe_expert(rank, world):
 
 
 def frozen_batchnorm(rank, world):
-    """pp 2, plain SGD, release off / on: stage 0's BatchNorm1d set to eval(), 3 train_batch
-    calls, eval_batch in train mode, then after model.eval(). Returns ({release: ([(training,
-    bn.training)] after each, bn's buffers changed, params)}, one process's for this stage)."""
+    """pp 2, SGD: a BatchNorm1d set to eval(), then train_batch and eval_batch.
+    -> ({release: ([(training, bn.training)], stats changed, params)}, one process's)"""
     sgd, out = (lambda ps: torch.optim.SGD(ps, lr=0.1)), {}
     for release in (False, True):
         layers = _bn_layers()

@@ -44,8 +44,7 @@ _MARK = re.compile(r"<!-- (recipe \w+: [^>]*?|not run: [^>]+?) -->\n$")
 
 
 def readme_recipes():
-    """{name: (files to copy, snippet source)} of every tagged recipe; ValueError on a name
-    tagged twice."""
+    """{name: (files to copy, source)} of every tagged recipe; ValueError on a name twice."""
     found = {}
     for doc in docs():
         for m in _TAG.finditer((REPO / doc).read_text()):
@@ -69,7 +68,7 @@ def fenced_python_blocks():
 
 
 def core_docstrings():
-    """{"file.py:line": docstring} for every module, class and function docstring of the core."""
+    """{"file.py:line": docstring} of every module, class and function of the core."""
     found = {}
     for name in CORE:
         tree = ast.parse((REPO / name).read_text())
@@ -82,9 +81,8 @@ def core_docstrings():
 
 
 def citations(text, bare=False):
-    """(paths, dotted names, (file, name) pairs) that `text` cites in backticks, links and
-    `file.py: name` tags (as the walkthrough's `[file.py: function]`); with `bare` (plain text
-    such as `--help`), also every word that ends in a file extension or a slash."""
+    """(paths, dotted names, (file, name) pairs) `text` cites in backticks, links and
+    `file.py: name` tags; with `bare` (as `--help`) every word ending in an extension or /."""
     paths, dotted = set(), set()
     pairs = set(_FILE_NAME.findall(text))
     if bare:
@@ -119,8 +117,8 @@ def is_ours(path):
 
 
 def path_exists(path):
-    """A path with a folder in it from the repo root; a bare file name at the root or in one
-    of the repo's folders (docs/, .ci/, relgrad_*/)."""
+    """A path with a folder from the repo root; a bare name at the root or in docs/, .ci/,
+    relgrad_*/."""
     if "/" in path.rstrip("/"):
         return (REPO / path).exists()
     folders = [REPO, REPO / "docs", REPO / ".ci"] + sorted(REPO.glob("relgrad_*"))
@@ -128,8 +126,8 @@ def path_exists(path):
 
 
 def resolve_dotted(name):
-    """Import the longest module prefix of `name`, then getattr the rest; None if it resolves,
-    else why not."""
+    """None if `name` resolves (its longest module prefix imported, getattr the rest), else
+    why not."""
     parts = name.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -145,9 +143,8 @@ def resolve_dotted(name):
 
 
 def resolve_in_file(file, name):
-    """`file.py: name`: the file exists and its module has `name` (dotted: getattr, so an
-    inherited method counts; bare: a module attribute or an attribute a class of the module
-    defines). None if it resolves, else why not."""
+    """None if `file.py: name` resolves (dotted: getattr, inherited counts; bare: a module
+    attribute or one a class of the module defines), else why not."""
     if not (REPO / file).is_file():
         return f"no file {file}"
     module = importlib.import_module(file[:-3].replace("/", "."))
@@ -200,14 +197,14 @@ def _format_ranges(ranges):
 
 
 def hunk_rows(readme):
-    """[(row number, hunk text, file, qualified name, [(first, last)...], range file, read
-    with)] of the README's hunk table ("Read it beside the diff")."""
+    """[(row, hunk text, file, qualified name, [(first, last)], range file, read with)]
+    of the README's hunk table."""
     return [(int(m.group(1)), m.group(2), m.group(4), m.group(5), _parse_ranges(m.group(7)),
              m.group(6), m.group(8)) for m in _ROW.finditer(readme)]
 
 
 def read_with_range(file, name):
-    """(first, last) of `name` in `file`: a qualified name, or a method of one of its classes."""
+    """(first, last) of `name` in `file`: a qualified name or a method of one of its classes."""
     found = actual_range(file, name)
     if found is not None:
         return found
@@ -219,8 +216,7 @@ def read_with_range(file, name):
 
 @functools.lru_cache(maxsize=None)
 def _tree(source):
-    """`ast.parse(source)`, once per text: the hunk table's rows read 4 files some 60 times
-    (only read, never changed)."""
+    """`ast.parse(source)` once per text (the table's rows read 4 files some 60 times)."""
     return ast.parse(source)
 
 
@@ -230,9 +226,8 @@ def _statements(source):
 
 
 def actual_range(file, qualname):
-    """(first, last) line of `qualname` in `file`, as `ast` sees it: a function or class from
-    its first decorator to its end; a class attribute from the comment block above it to its
-    last line."""
+    """(first, last) line of `qualname` in `file` as `ast` sees it: a def or class from its
+    first decorator; a class attribute from the comment block above it."""
     source = (REPO / file).read_text()
     node = _tree(source)
     for part in qualname.split("."):
@@ -254,10 +249,9 @@ def actual_range(file, qualname):
 
 
 def hunk_range(file, qualname, mark):
-    """The ranges [(first, last)] of a hunk in `qualname` of `file`: each from a comment
-    holding `mark` through the lines under it up to the next blank line (at least to the end
-    of the statement that follows it); the whole method when a mark says "the whole method";
-    a field's whole range. None without such a comment."""
+    """[(first, last)] of the hunks marked `mark` in `qualname`: each from the mark through
+    the next blank line (at least the statement after it); the whole method or field when
+    marked so. None without a mark."""
     whole = actual_range(file, qualname)
     if whole is None:
         return None
@@ -300,9 +294,8 @@ def _mark(hunk):
 
 
 def check_hunk_row(row):
-    """Why a row of the hunk table does not match the code, or None: `file: qualname` must
-    exist, and the cited ranges must be the hunk's own lines (`hunk_range`), from its
-    `Seed hunk` marks (a reconstructed point N: `Seed hunk (reconstructed, point N)`)."""
+    """Why a row of the hunk table does not match the code (its names, its ranges of the
+    `Seed hunk` marks, `hunk_range`), or None."""
     number, hunk, file, qualname, ranges, range_file, read_with = row
     for name, cited in _READ.findall(read_with):
         actual = read_with_range(file, name)
@@ -326,8 +319,7 @@ def check_hunk_row(row):
 
 
 def fix_ranges(readme):
-    """The README text with each hunk-table row's ranges set to what the code holds (the
-    other checks of `check_hunk_row` still apply): for after an edit moves the methods."""
+    """The README with each row's ranges (and read-with ranges) set to what the code holds."""
     def fixed(m):
         actual = hunk_range(m.group(4), m.group(5), _mark(m.group(2)))
         if actual is None:

@@ -1,6 +1,5 @@
-"""Rank-side checks that a failure ends alike on every rank, in bounded time (a stage that fails
-alone, a rank that ran fewer backward passes), that 16-bit sums do not overflow, and that a
-scheduler resumed on the pipeline keeps its state."""
+"""Rank-side checks that a failure ends alike on every rank in bounded time (a stage alone, fewer
+backward passes), that 16-bit sums do not overflow, and that a resumed scheduler keeps its state."""
 import copy
 from datetime import timedelta
 
@@ -47,7 +46,7 @@ def mean_loss(out, y):
 
 
 def pipeline(st, layers, version=None, loss=mean_loss, lr=0.1, **kwargs):
-    """(hcg, PipelineParallel over `layers`, SGD(lr) wrapped in sharding v`version` if given)."""
+    """(hcg, PipelineParallel of `layers`, SGD(lr) in sharding v`version` if given)"""
     hcg = HybridCommunicateGroup(st)
     model = PipelineParallel(layers, hcg, st, loss, **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -63,9 +62,8 @@ def _ones(n):
 # ---------------------------------------------------------------- a stage fails alone
 
 def moved_grad_on_one_stage(rank, world):
-    """pp 2 x sharding 2, v1, sharding overlap, release off; after step 1 stage 1 rebinds its
-    grads out of place (halved). Returns [(params after step 2, every grad in its slot)] with
-    the rebind and without."""
+    """pp 2 x sharding 2 v1, sharding overlap: stage 1 rebinds its grads out of place
+    after step 1. -> [(params after step 2, every grad in its slot)] with and without"""
     runs = []
     for rebind in (True, False):
         torch.manual_seed(0)
@@ -84,8 +82,7 @@ def moved_grad_on_one_stage(rank, world):
 
 
 def stage_never_arrives(rank, world, seconds):
-    """pp 2: stage 1 builds the pipeline but never calls train_batch. Returns what stage 0
-    raised (None on stage 1)."""
+    """pp 2: stage 1 never calls train_batch. -> stage 0's error (None on stage 1)"""
     st = _strategy(pp=2, acc=2)
     hcg = HybridCommunicateGroup(st, timeout=timedelta(seconds=seconds))
     model = PipelineParallel([Scale(), Scale()], hcg, st, mean_loss)
@@ -95,8 +92,7 @@ def stage_never_arrives(rank, world, seconds):
 
 
 def stage_refuses_to_start(rank, world):
-    """pp 2 x sharding 2, v2, sharding overlap: stage 1 alone registers main-grad hooks on one of
-    its params, so its buffer cannot be built. Returns what train_batch raised."""
+    """pp 2 x sharding 2 v2: stage 1 alone has main-grad hooks on a param. -> error"""
     st = _strategy(pp=2, sharding=2, acc=2, split_param=True, sharding_comm_overlap=True)
     hcg = HybridCommunicateGroup(st)
     model = PipelineParallel([Scale(), Scale(), Scale(), Scale()], hcg, st, mean_loss)
@@ -109,9 +105,8 @@ def stage_refuses_to_start(rank, world):
 # ---------------------------------------------------------------- fewer backward passes
 
 def fewer_backward_passes(rank, world, version, release, passes):
-    """Own overlap, acc 2, Linear(3, 1) and Linear(1, 2), SGD: rank r runs `passes[r]` backward
-    passes, then step(). Returns (step()'s error, the params after a right step that follows,
-    one process's)."""
+    """Own overlap, acc 2: rank r runs `passes[r]` backward passes, then a right step.
+    -> (step()'s error, params, one process's)"""
     st = own_strategy(world, version, acc=2, release=release)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 1), nn.Linear(1, 2))
@@ -136,8 +131,7 @@ def fewer_backward_passes(rank, world, version, release, passes):
 
 
 def pipeline_accumulate_steps_differ(rank, world, version):
-    """pp 2 x sharding 2, sharding overlap, release on; rank 3's strategy has acc 1, the others'
-    2. Returns what train_batch raised."""
+    """pp 2 x sharding 2, sharding overlap: rank 3's acc is 1, the others' 2. -> error"""
     st = _strategy(pp=2, sharding=2, acc=1 if rank == 3 else 2, release=True,
                    split_param=version == 2, sharding_comm_overlap=True)
     _, model, opt = pipeline(st, [Scale(), Scale()], version)
@@ -145,9 +139,8 @@ def pipeline_accumulate_steps_differ(rank, world, version):
 
 
 def pipeline_param_left_out(rank, world, version, release):
-    """pp 2 x sharding 2, sharding overlap, acc 2: on rank 3 a param gets no grad in micro-batch
-    1. Returns what train_batch raised and, after one that uses every param, a broadcast
-    from rank 0 (the groups still work)."""
+    """pp 2 x sharding 2: on rank 3 a param gets no grad in micro-batch 1. -> (error,
+    a broadcast from rank 0 after a good train_batch)"""
     st = _strategy(pp=2, sharding=2, acc=2, release=release, split_param=version == 2,
                    sharding_comm_overlap=True)
     _, model, opt = pipeline(st, [Scale(), SometimesUnused(3)], version)
@@ -169,7 +162,7 @@ FP16_PATHS = ("v2, release on", "v2 own overlap, release on", "v1 own overlap, r
 
 
 def _fp16_case(path, rank, world):
-    """One fp16 scalar w = 1 stepped once on rank r with the grad _PULLS[r]; returns w."""
+    """One fp16 scalar w = 1 stepped once with the grad _PULLS[rank]. -> w"""
     if path == "dp all-reduce (pipeline, pp 1 x dp 2)":
         st = HybridStrategy(dp_degree=2, pp_configs=PpConfig(release_gradients=True))
         _, model, opt = pipeline(st, [Scale(torch.float16)], None,
@@ -195,8 +188,7 @@ def fp16_sums(rank, world):
 
 
 def fp16_pipeline_dp_overlap(rank, world):
-    """pp 2 x dp 2, dp_comm_overlap, release on: two fp16 stages `w * x` pulled by _PULLS[dp
-    rank]. Returns this stage's w after one step."""
+    """pp 2 x dp 2, dp_comm_overlap: fp16 stages pulled by _PULLS[dp rank]. -> w"""
     st = _strategy(dp=2, pp=2, release=True, dp_comm_overlap=True)
     hcg, model, opt = pipeline(st, [Scale(torch.float16), Scale(torch.float16)], None,
                                lambda out, y: (out.float() * y).sum(), lr=1e-5)
@@ -206,8 +198,7 @@ def fp16_pipeline_dp_overlap(rank, world):
 
 
 def fused_buffer_fp32_unchanged(rank, world):
-    """An fp32 all-reduce buffer and all_reduce_mean still scale after the sum (integer grads
-    whose mean rounds otherwise when divided by 3 first). Returns both and this rank's grads."""
+    """An fp32 buffer and all_reduce_mean on integer grads, 3 ranks. -> (both, grads)"""
     p = nn.Parameter(torch.zeros(64))
     buffers = hooked([p], None, 1, True)
     gen = torch.Generator().manual_seed(rank)  # integers: the sum is exact in any order
@@ -222,8 +213,7 @@ def fused_buffer_fp32_unchanged(rank, world):
 # ---------------------------------------------------------------- a resumed scheduler
 
 def _resumable(st, version, hcg):
-    """(build, train, load) of resumed_scheduler's pipeline: SGD(0.1, momentum 0.9) in
-    v`version`, this sharding rank's half of each step's 8 rows."""
+    """(build, train, load) of resumed_scheduler's pipeline, SGD(0.1, momentum 0.9)."""
     def build():
         model = PipelineParallel(_pipe_layers(), hcg, st, _mse)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -246,9 +236,8 @@ def _resumable(st, version, hcg):
 
 
 def resumed_scheduler_v2_pipeline(rank, world, version):
-    """pp 2 x sharding 2, sharding overlap, release on, acc 2, StepLR(1, 0.5): 2 batches, saved,
-    then loaded by a fresh pipeline before any train_batch. Returns (lr, initial_lr, lr after a
-    new StepLR, lr after one batch; the params of 2 batches resumed; the same uninterrupted)."""
+    """pp 2 x sharding 2, StepLR(1, 0.5): 2 batches, saved, loaded before any
+    train_batch. -> (lrs read, params of 2 more batches resumed, the same uninterrupted)"""
     st = _strategy(pp=2, sharding=2, acc=2, release=True, split_param=version == 2,
                    sharding_comm_overlap=True)
     hcg = HybridCommunicateGroup(st)

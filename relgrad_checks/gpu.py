@@ -56,8 +56,8 @@ def _eval_peak(model, x, device):
 
 
 def _train(kind, release, device):
-    """One run of `kind` ("dp": the bare fused buffer; "v2": sharding v2, own overlap), STEPS
-    steps: the bytes between steps and an eval peak after each, above those before the build."""
+    """One run of `kind` ("dp": the bare buffer; "v2": own overlap), STEPS steps.
+    -> ({bytes between steps, eval peaks, buffer bytes, buckets}, params)"""
     rank, world = dist.get_rank(), dist.get_world_size()
     start = _in_use(device)
     model = _model(device)
@@ -88,8 +88,7 @@ def _train(kind, release, device):
 
 
 def _off_and_on(device):
-    """Per kind, after a warm-up run: release off, then on (one run alive at a time), their
-    measures and whether their params end bitwise equal."""
+    """Per kind, after a warm-up: release off, then on, and whether params end equal."""
     out = {}
     for kind in ("dp", "v2"):
         _train(kind, True, device)  # warm-up: cuBLAS workspaces, kernels, the allocator

@@ -1,6 +1,5 @@
 """Rank-side checks of habits DDP users bring: a skipped backward, an lr set per rank, a GAN's
-two models, the bare buffer's in-flight grads and its comm_group. Each returns what every rank
-saw (the error's type and text) and the params after training on, for the test to compare."""
+two models, the bare buffer's in-flight grads and its comm_group."""
 from itertools import product
 
 import torch
@@ -14,9 +13,8 @@ from relgrad_checks.loops import (CLASSES, SIZES, STEPS, backward, caught, clear
 
 
 def skipped_backward(rank, world):
-    """Own overlap, v1 / v2, release on / off; in step 0 rank 1 skips backward, then every rank
-    clears ("skip"), or rank 1 clears while the others step ("alone"); then STEPS good steps.
-    Returns ({case: (error, params)}, one process over those steps)."""
+    """Own overlap: in step 0 rank 1 skips backward or clears alone; then STEPS steps.
+    -> ({case: (error, params)}, one process over those steps)"""
     out = {}
     for version, release, how in product((1, 2), (True, False), ("skip", "alone")):
         model, opt = sharded(world, version, True, 1, release)
@@ -34,8 +32,8 @@ def skipped_backward(rank, world):
 
 
 def lr_per_rank(rank, world):
-    """v1 / v2, own overlap off / on: rank 1 sets another lr by hand, step() raises; the lr
-    set back, cleared, training on. Returns ({case: (error, params)}, one process)."""
+    """Rank 1 sets another lr by hand; set back, cleared, trained on.
+    -> ({case: (error, params)}, one process)"""
     out = {}
     for version, overlap in product((1, 2), (False, True)):
         model, opt = sharded(world, version, overlap, 1)
@@ -52,8 +50,7 @@ def lr_per_rank(rank, world):
 
 
 def _gan(version, hcg, strategy):
-    """A generator and a discriminator, each with its optimizer (sharding v`version` or
-    plain Adam)."""
+    """A generator and a discriminator with their optimizers (v`version`, or plain Adam)."""
     torch.manual_seed(0)
     gen = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6))
     disc = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -67,8 +64,7 @@ def _gan(version, hcg, strategy):
 
 
 def _gan_steps(gen, disc, opt_g, opt_d, rows, freeze, steps=2):
-    """DCGAN's loop order: D on real and detached fake, then G through D (D frozen if asked).
-    Returns G's and D's params."""
+    """DCGAN's loop order (D, then G through D, frozen if asked). -> G's and D's params"""
     bce = torch.nn.BCEWithLogitsLoss()
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
@@ -87,9 +83,8 @@ def _gan_steps(gen, disc, opt_g, opt_d, rows, freeze, steps=2):
 
 
 def gan(rank, world):
-    """Two sharding optimizers (own overlap; v1 release on, v2 release off) in DCGAN's loop: G's
-    loss reaching D raises on every rank; with D frozen for G's step it trains. Returns
-    ({version: (error, G's and D's params)}, one process)."""
+    """Two sharding optimizers in DCGAN's loop, D frozen for G's step or not.
+    -> ({version: (error, params)}, one process)"""
     out = {}
     rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
     for version, release in ((1, True), (2, False)):
@@ -101,9 +96,8 @@ def gan(rank, world):
 
 
 def bare_buffer(rank, world):
-    """The bare FusedCommBuffer, release on: a grad scaled in flight on rank 0 raises at
-    scale_grads() on every rank; cleared and released, training on; a comm_group whose ranks
-    hold other buckets raises at build. Returns (that error, params, one process, build error)."""
+    """The bare buffer: a grad scaled in flight on rank 0, then training on; a comm_group
+    whose ranks hold other buckets. -> (error, params, one process, build error)"""
     model = _mlp(SIZES)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     buffers = hooked(model.parameters(), None, 1, True)

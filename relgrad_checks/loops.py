@@ -1,7 +1,6 @@
-"""Rank-side checks of the torch loop around the sharding optimizers (both loop orders, the
-torch-shaped `clip_grad_norm_`, setups that differ), and the scaffolding that the checks of
-habits, scripts and recovery share: an MLP, its micro-batches, a sharded optimizer, training
-steps, and one process training the same model on the whole batch."""
+"""Rank-side checks of the torch loop around the sharding optimizers (loop orders,
+`clip_grad_norm_`, setups that differ) and the scaffolding the other loop checks share: an MLP,
+its micro-batches, a sharded optimizer, training steps, one process on the whole batch."""
 from itertools import product
 
 import pytest
@@ -95,14 +94,16 @@ def train(model, opt, rank, world, steps, release=True, acc=1, clip=None):
         clear(opt, release)
 
 
-def oracle(steps=range(STEPS), clip=None):
-    """One process, the whole batch, AdamW(LR), torch's clip_grad_norm_(clip) if given.
-    Returns (the params after the last of `steps`, the norms clip_grad_norm_ returned)."""
+def oracle(steps=range(STEPS), clip=None, grads=None):
+    """One process, the whole batch, AdamW(LR), torch's clip_grad_norm_(clip) if given, each
+    step's grads appended to `grads`. -> (params after the last step, clip's norms)"""
     model = _mlp(SIZES)
     opt, norms = torch.optim.AdamW(model.parameters(), lr=LR), []
     for step in steps:
         x, y = _data(step, BATCH, SIZES[0], SIZES[-1])
         F.mse_loss(model(x), y).backward()
+        if grads is not None:
+            grads.append([p.grad.clone() for p in model.parameters()])
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         opt.step()
@@ -113,9 +114,9 @@ def oracle(steps=range(STEPS), clip=None):
 # ---------------------------------------------------------------- the loop around sharding
 
 def loop_orders(rank, world):
-    """Both loop orders, v1 / v2, own overlap off / on, acc 1 / 4. Returns ({case: (per step
-    each buffer holds storage at the forward, a grad exists at the forward, every grad exists
-    after step(); params, buffers)}, one process)."""
+    """Both loop orders, v1 / v2, own overlap off / on, acc 1 / 4. -> ({case: (per step:
+    buffers holding storage and a grad at the forward, every grad after step(); params,
+    buffers)}, one process)"""
     out = {}
     for case in product((1, 2), (False, True), (1, 4), ("step_then_zero", "zero_at_top")):
         version, overlap, acc, order = case
@@ -136,8 +137,8 @@ def loop_orders(rank, world):
 
 
 def clip_grad_norm(rank, world):
-    """opt.clip_grad_norm_(c) before step(), c 0.05 / 100, v1 / v2, own overlap off / on, acc
-    1 / 4. Returns ({case: (params, norms)}, {c: one process's (params, norms)})."""
+    """opt.clip_grad_norm_(c) before step(), c 0.05 / 100, v1 / v2, overlap, acc 1 / 4.
+    -> ({case: (params, norms)}, {c: one process's (params, norms)})"""
     out = {}
     for case in product((0.05, 100.0), (1, 2), (False, True), (1, 4)):
         clip, version, overlap, acc = case
@@ -153,8 +154,7 @@ def clip_grad_norm(rank, world):
 
 
 def clip_grad_norm_misuse(rank, world):
-    """clip_grad_norm_ with a bad max_norm or norm_type, twice, or beside grad_clip= raises on
-    every rank, and the optimizer still steps right afterwards."""
+    """clip_grad_norm_ misused four ways raises on every rank; the optimizer steps after."""
     model, opt = sharded(world, 2, True, 1)
     backward(model, rank, world, 0)
     for bad in (0.0, float("inf")):
@@ -178,9 +178,8 @@ def clip_grad_norm_misuse(rank, world):
 
 
 def setup_mismatch(rank, world):
-    """Ranks building the optimizer differently each raise the same ValueError; models seeded
-    apart start from sharding rank 0's params; add_param_group under comm_overlap raises.
-    Returns ([(what differs, the error's text)], the params at the start)."""
+    """Ranks building the optimizer otherwise; models seeded apart; add_param_group under
+    own overlap. -> ([(what differs, the error's text)], the params at the start)"""
     first, adamw = rank == 0, torch.optim.AdamW
     table = {  # what differs: (lr, torch optimizer, class, split_param's version, overlap, sizes)
         "lr": (1e-2 if first else 2e-2, adamw, 2, 2, True, SIZES),
@@ -208,9 +207,8 @@ def setup_mismatch(rank, world):
 
 
 def torch_clip_in_flight(rank, world):
-    """torch.nn.utils.clip_grad_norm_ between backward and step() under own overlap (grads in
-    flight) raises at step(); after zero_grad() the optimizer trains on. Returns ({version:
-    (the error's text, params)}, one process)."""
+    """torch's clip before step() under own overlap, then training on.
+    -> ({version: (the error's text, params)}, one process)"""
     out = {}
     for version in (1, 2):
         model, opt = sharded(world, version, True, 1)
@@ -225,9 +223,8 @@ def torch_clip_in_flight(rank, world):
 
 
 def unused_on_one_rank(rank, world):
-    """Own overlap, 3 buckets: rank 1's backward skips the branch whose bucket fires first on
-    rank 0; step() raises on every rank, then both train on together. Returns {version:
-    (the error's text before its rank's part, params after one good step)}."""
+    """Own overlap, 3 buckets: rank 1 skips the branch whose bucket fires first on rank 0.
+    -> {version: (the error's text up to its rank's part, params after a good step)}"""
     out = {}
     for version in (1, 2):
         strategy = own_strategy(world, version, comm_buffer_size_MB=1)

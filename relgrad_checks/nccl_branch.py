@@ -33,8 +33,8 @@ class _SmallBucketsV2(DygraphShardingOptimizerV2):
 
 @contextlib.contextmanager
 def _branch(nccl, counts):
-    """Inside: `_stages_full_copies` False with `nccl` (NCCL's path), and `counts` counting the
-    reduce-scatters and all-gathers into a shard the buffers issue."""
+    """Inside: `_stages_full_copies` False with `nccl` (NCCL's path); `counts` counting the
+    reduce-scatters and all-gathers into a shard."""
     def counted(name):
         real = getattr(comm_buffer, "_" + name)
 
@@ -51,8 +51,8 @@ def _branch(nccl, counts):
 
 
 def _both_branches(train, case, version, steps):
-    """`train()` with gloo's collectives, then NCCL's: the gloo run issued no reduce-scatter or
-    all-gather into a shard, the NCCL run (v2) one per step at least. Returns both results."""
+    """`train()` on gloo's path, then NCCL's: only the latter (v2) reduce-scatters and
+    all-gathers into a shard, once a step at least. -> (both results, NCCL's counts)"""
     runs, counts = [], []
     for nccl in (False, True):
         counts.append(Counter())
@@ -74,8 +74,7 @@ def _model(bf16):
 
 
 def _state(opt):
-    """The sharded optimizer's whole state on rank 0 (fp32 masters, Adam's moments) as a list
-    of tensors; [] elsewhere. Collective over the sharding group."""
+    """The optimizer's whole state on rank 0 (fp32 masters, Adam's moments); [] elsewhere."""
     full = opt.consolidate_state_dict(to=0)
     if full is None:
         return []
@@ -88,8 +87,7 @@ def _state(opt):
 
 
 def _train_own(hcg, version, strategy, bf16, steps=3, batch=24):
-    """Sharding's own buffers: this rank's slice of each batch in `acc` micro-batches; the
-    params and (bf16) the fp32 masters after each step."""
+    """Own buffers, this rank's slice in `acc` micro-batches. -> params and state per step"""
     rank, nranks = dist.get_rank(), dist.get_world_size()
     acc = strategy.sharding_configs.accumulate_steps
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -108,9 +106,8 @@ def _train_own(hcg, version, strategy, bf16, steps=3, batch=24):
 
 
 def own_buffers(rank, world):
-    """No pipeline, v2 (fp32; bf16 + fp32 main grads; own overlap on / off; acc 1 / 2; release
-    off / on / on + free) and v1 (overlap, acc 2, on + free): NCCL's collectives give params
-    and masters bitwise gloo's. Returns {version: cases compared}."""
+    """No pipeline, v2 (fp32, bf16 + main grads, overlap on / off, acc 1 / 2, each release)
+    and v1: NCCL's path bitwise gloo's. -> {version: cases compared}"""
     hcg = HybridCommunicateGroup(own_strategy(world, 1, release=False))
     compared = Counter()
     for version, bf16, overlap, acc in ((2, False, True, 1), (2, False, True, 2),
@@ -132,8 +129,8 @@ def own_buffers(rank, world):
 
 @contextlib.contextmanager
 def _no_unbatched_p2p(seen):
-    """Inside: every `dist.isend` / `dist.irecv` outside `batch_isend_irecv` is appended to
-    `seen["unbatched"]`; `seen["batches"]` counts the batches (P2POps keep the real ops)."""
+    """Inside: each isend / irecv outside batch_isend_irecv noted in `seen["unbatched"]`,
+    the batches counted in `seen["batches"]`."""
     real = {"isend": dist.isend, "irecv": dist.irecv}
     real_op, real_batch = dist.P2POp, dist.batch_isend_irecv
 
@@ -159,8 +156,7 @@ def _no_unbatched_p2p(seen):
 
 
 def _train_pipe(hcg, version, strategy, bf16, steps=2, mbs=2):
-    """pp 2 x sharding 2 under the pipeline's sharding overlap; params (and the optimizer's
-    state) after each step."""
+    """pp 2 x sharding 2, sharding overlap. -> (params and state per step, param count)"""
     dtype = torch.bfloat16 if bf16 else torch.float32
     model = PipelineParallel(_pipe_layers(dtype, main_grad=bf16), hcg, strategy, _mse)
     opt = CLASSES[version](OPTIMIZERS["adam"](model.parameters()), hcg,
@@ -173,9 +169,8 @@ def _train_pipe(hcg, version, strategy, bf16, steps=2, mbs=2):
 
 
 def pipeline_sharding(rank, world):
-    """pp 2 x sharding 2, sharding overlap, acc 2, 2 steps, v2 (fp32; bf16 + main grads) release
-    off / on / on + free and v1 on + free: NCCL's collectives give params and state bitwise
-    gloo's; every p2p message goes through batch_isend_irecv. Returns {version: compared}."""
+    """pp 2 x sharding 2, v2 (fp32, bf16 + main grads, each release) and v1: NCCL's path
+    bitwise gloo's, every p2p batched. -> {version: cases compared}"""
     hcg, compared, seen = None, Counter(), {"unbatched": [], "batches": 0}
     cases = [(2, bf16, *r) for bf16 in (False, True) for r in RELEASE] + [(1, False, True, True)]
     for version, bf16, release, free in cases:
@@ -196,7 +191,7 @@ def pipeline_sharding(rank, world):
 
 
 class _FakeWork:
-    """A p2p / collective work whose `wait(timeout)` records the timeout and raises `error`."""
+    """A work whose `wait(timeout)` records the timeout and raises `error`."""
 
     def __init__(self, error):
         self.error, self.timeouts = error, []
@@ -207,8 +202,7 @@ class _FakeWork:
 
 
 def _p2p_timeouts(model, other):
-    """The pipeline's errors for a p2p wait that raises NCCL's and gloo's timeout texts (each
-    wait given 13 s), after checking another error passes through."""
+    """The pipeline's errors for p2p waits raising NCCL's and gloo's timeout texts."""
     texts = []
     for text in ("[Rank 0] Work WorkNCCL(SeqNum=3, OpType=RECV) timing out after 13000 ms",
                  "[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 13000ms "
@@ -229,8 +223,8 @@ def _p2p_timeouts(model, other):
 
 
 def timeouts_any_backend(rank, world):
-    """pp 2 on groups with a 13 s timeout: the p2p waits and the entry check's all-reduce wait
-    13 s, and NCCL's and gloo's timeout texts end in PipelineStageTimeout. Returns the texts."""
+    """pp 2, groups' timeout 13 s: p2p and entry-check waits get 13 s; timeouts end in
+    PipelineStageTimeout. -> the three texts"""
     st = _strategy(pp=2)
     hcg = HybridCommunicateGroup(st, timeout=timedelta(seconds=13))
     model = PipelineParallel(_pipe_layers(), hcg, st, _mse)
@@ -256,8 +250,7 @@ def timeouts_any_backend(rank, world):
 
 
 def device_agreement(rank, world):
-    """check_current_device's agreement through the store, a problem on the last rank only:
-    the same ValueError on every rank (its text returned); with none, quiet."""
+    """The device rule agreed through the store, a problem on the last rank. -> its text"""
     rule = f"DygraphShardingOptimizerV2: {SET_DEVICE_FIX}"
     agree([None], [(rule, None)], via_store=True)
     problem = None
@@ -271,8 +264,7 @@ def device_agreement(rank, world):
 
 
 def interleave_p2p_batched(rank, world):
-    """pp 2, 2 virtual stages, one forward-backward of 4 micro-batches: every p2p message goes
-    through batch_isend_irecv. Returns the number of batches."""
+    """pp 2, 2 virtual stages, one forward-backward: all p2p batched. -> batches"""
     strategy = _strategy(pp=2, acc=4)
     strategy.pp_configs.num_virtual_pipeline_stages = 2
     model = PipelineParallelWithInterleave(_pipe_layers(), HybridCommunicateGroup(strategy),

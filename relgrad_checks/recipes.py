@@ -12,7 +12,6 @@ one process, written from the recipes' descriptions, not from their code.
 import atexit
 import json
 import os
-import re
 import runpy
 import shutil
 import signal
@@ -41,10 +40,9 @@ def _free_port():
 
 
 def run_recipe(folder, files, source, world, timeout=90, save=True):
-    """Copy `files` (files or folders of the repo) into `folder`, write `source` (plus the
-    save line) as recipe.py, run it on `world` ranks; return (returncodes, outputs, params by
-    rank or None). Kills every rank after `timeout` seconds (its returncode is then None).
-    Raises RuntimeError if the launcher process itself failed, with its error output."""
+    """Copy `files` into `folder`, write `source` (plus the save line) as recipe.py, run it
+    on `world` ranks, killed after `timeout` s. -> (returncodes, None if killed; outputs;
+    params by rank or None). RuntimeError with its output if the launcher failed."""
     folder = Path(folder)
     for name in files:
         src = REPO / name
@@ -86,8 +84,7 @@ def _run_spawned(folder, world, timeout, env):
 
 
 class _Launcher:
-    """This file run as a script (`_serve`) in a process of its own: one JSON request per line
-    on its stdin, one JSON reply per line on its stdout."""
+    """This file run as a script (`_serve`): one JSON request a line in, one reply out."""
 
     def __init__(self):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "RELGRAD"))}
@@ -151,9 +148,8 @@ def _serve():
 
 
 def _run_request(request, out_dir):
-    """Fork one process per rank, each running the folder's recipe.py as `python -E -s
-    recipe.py` there would (stdout and stderr to one file); {"codes": exit statuses, None for
-    a rank killed at the timeout, "outputs": what each printed}."""
+    """Fork a process per rank, each running recipe.py as `python -E -s` would there.
+    -> {"codes": exit statuses (None: killed at the timeout), "outputs"}"""
     world, files, pids = request["world"], [], []
     for rank in range(world):
         files.append(os.path.join(out_dir, f"rank{rank}.out"))
@@ -182,8 +178,7 @@ def _run_request(request, out_dir):
 
 
 def _rank(request, rank, out_file):
-    """In a forked child: become rank `rank` of the recipe in `request["folder"]`, run it,
-    exit with its status."""
+    """In a forked child: become rank `rank` of the recipe, run it, exit with its status."""
     code = 1
     try:
         fd = os.open(out_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -246,10 +241,10 @@ def _batch(step, rows):
 
 def reference(model, steps, rows=16, sched=False, clip=None, paddle_clip=None, opt=None,
               norms=None):
-    """Plain torch, one process, the whole batch of `rows` per step: `opt` or AdamW(lr 1e-2),
-    optional StepLR(2, 0.5), torch's clip_grad_norm_(clip) or Paddle's clip coefficient
-    (paddle_clip; each norm appended to `norms`). Returns the params after the last step."""
-    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
+    """Plain torch on the whole batch: `opt` or AdamW(1e-2), StepLR(2, 0.5) if `sched`,
+    torch's clip or Paddle's (norms to `norms`). -> the params after the last step"""
+    if opt is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if sched else None
     for step in steps:
         x, y = _batch(step, rows)
@@ -275,9 +270,8 @@ def _add(sums, grads):
 
 
 def main_grad_reference(model, steps, rows, world, acc):
-    """Plain torch for recipe (e): the model in bf16, fp32 masters stepped by AdamW(1e-2); per
-    step each replica's fp32 grads of loss/acc summed micro-batch by micro-batch, the sums
-    added in replica order and scaled by 1/world. Returns the bf16 params at the end."""
+    """Recipe (e) in one process: bf16 params, fp32 masters under AdamW(1e-2), each
+    replica's fp32 grads summed in order, scaled by 1/world. -> the bf16 params"""
     model.to(torch.bfloat16)
     params = list(model.parameters())
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]

@@ -1,6 +1,6 @@
-"""Rank-side checks of the recovery rule: a refused step is refused on every rank, leaves every
-rank in the same state, and after the documented clear training goes on as one process that
-skipped that step. Groups and the store get short timeouts, so a hang ends as an error."""
+"""Rank-side checks of the recovery rule: a refused step is refused on every rank, changes
+nothing, and after the documented clear training goes on as one process that skipped it.
+Groups and the store get short timeouts (WAIT), so a hang ends as an error."""
 import contextlib
 import time
 from datetime import timedelta
@@ -14,8 +14,8 @@ from torch.utils.checkpoint import checkpoint
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from relgrad_checks.common import _data, _io, _mlp, _mse, _pipe_layers, _strategy
-from relgrad_checks.loops import (CLASSES, SIZES, backward, caught, clear, own_strategy, params,
-                                  sharded)
+from relgrad_checks.loops import (CLASSES, SIZES, backward, caught, cases, clear, own_strategy,
+                                  params, sharded)
 from relgrad_extras.interleave import PipelineParallelWithInterleave
 
 WAIT = timedelta(seconds=8)  # groups' and store's timeout in a scenario (a shared machine)
@@ -24,7 +24,7 @@ LR, ACC, MBS, BATCH = 1e-2, 2, 2, 8
 
 @contextlib.contextmanager
 def _short_store_waits():
-    """The default store's waits bounded by WAIT for the scenario."""
+    """The default store's waits bounded by WAIT inside."""
     store = dist.distributed_c10d._get_default_store()
     old = store.timeout
     store.set_timeout(WAIT)
@@ -43,8 +43,7 @@ def _refused_alike(seen):
 
 
 def _one_process(model, steps, batch, replicas, acc, lr=LR):
-    """One process, AdamW(lr), each of `steps`' whole batch, its grads summed as the ranks do:
-    per replica over `acc` micro-batches of loss/acc, the sums added, scaled by 1/replicas."""
+    """One process, AdamW(lr) over `steps`, summing grads as the ranks do. -> params"""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for step in steps:
         x, y = _data(step, batch, *_io(model))
@@ -66,15 +65,15 @@ def _one_process(model, steps, batch, replicas, acc, lr=LR):
 
 
 def _freed(model, opt, release):
-    """Every fused buffer (the pipeline's and the optimizer's) holds no storage, with release."""
+    """Whether every fused buffer (the pipeline's, the optimizer's) is freed, with release."""
     buffers = [b for bs in getattr(model, "_chunk_2_comm_buffers", {}).values() for b in bs]
     buffers += getattr(opt, "comm_buffers", [])
     return not release or all(b.grad_storage is None for b in buffers)
 
 
 def _bad_step(model, opt, change, release, run):
-    """`change(model, opt, True)`, `run()` (caught), `change(model, opt, False)`, the clear.
-    Returns (its error, params unchanged, buffers freed (the pipeline's at once), seconds)."""
+    """`change` on, `run()` caught, `change` off, the clear.
+    -> (error, params unchanged, buffers freed (the pipeline's at once), seconds)"""
     change(model, opt, True)
     before, start = params(model), time.monotonic()
     seen = caught(run)
@@ -90,8 +89,7 @@ def _bad_step(model, opt, change, release, run):
 # ---------------------------------------------------------------- under the pipeline
 
 class Wrapped(nn.Module):
-    """`layer` run as `mode` says: "plain", "no_bias" (its bias gets no grad), "reentrant" /
-    "non_reentrant" (under torch.utils.checkpoint; reentrant on data: its params get none)."""
+    """`layer` run as `mode` says: plain, no_bias, (non_)reentrant under a checkpoint."""
 
     def __init__(self, layer, mode="plain"):
         super().__init__()
@@ -106,9 +104,8 @@ class Wrapped(nn.Module):
 
 
 def _pipe_recovery(st, cls, change, make_layers=_pipe_layers, steps=4, bad=1, lr=LR):
-    """`steps` batches of `make_layers()` under AdamW(lr) in `cls` (None: plain), batch `bad`
-    through `_bad_step`. Returns (its error, unchanged, freed, params, one process over the
-    other batches (this stage's part), this stage's bucket sizes)."""
+    """`steps` batches under the pipeline, batch `bad` through `_bad_step`. -> (error,
+    unchanged, freed, params, one process's for this stage, this stage's bucket sizes)"""
     hcg = HybridCommunicateGroup(st, timeout=WAIT)
     model = PipelineParallel(make_layers(), hcg, st, _mse)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -135,8 +132,7 @@ def _pipe_recovery(st, cls, change, make_layers=_pipe_layers, steps=4, bad=1, lr
 
 
 def _layouts(family, versions=(1, 2), overlaps=(False, True)):
-    """(case, strategy, optimizer class) of pp 2 x dp 2 ("dp", dp overlap off / on) or pp 2 x
-    sharding 2 ("sharding": v1 / v2, sharding overlap off / on), release off and on."""
+    """(case, strategy, class) of pp 2 x dp 2 or pp 2 x sharding 2, release off / on."""
     for release in (False, True):
         for overlap in overlaps:
             if family == "dp":
@@ -149,8 +145,7 @@ def _layouts(family, versions=(1, 2), overlaps=(False, True)):
 
 
 def lr_on_one_stage(rank, world, family):
-    """Each of `_layouts(family)`: the last rank (stage 1) sets its lr 1.25x for batch 1.
-    Returns {case: _pipe_recovery's result}."""
+    """The last rank sets its lr 1.25x for batch 1. -> {case: _pipe_recovery's}"""
     def change(model, opt, bad):
         opt.param_groups[0]["lr"] = LR * 1.25 if bad and rank == world - 1 else LR
 
@@ -165,8 +160,7 @@ def _frozen_bias_layers():
 
 
 def unfrozen_on_one_stage(rank, world):
-    """pp 2 x sharding 2, v2: layer 4's bias, frozen at build, unfrozen on its stage for batch
-    1. Returns {case: _pipe_recovery's result (one process keeps the bias frozen)}."""
+    """v2: a bias frozen at build unfrozen on its stage for batch 1. -> {case: ...}"""
     def change(model, opt, bad):
         if model.stage_id == 1:
             model._layers[1].bias.requires_grad_(bad)
@@ -183,8 +177,7 @@ def _wrapped_layers(index):
 
 
 def free_in_comm_pipeline(rank, world):
-    """pp 2 x sharding 2, sharding overlap + free_grads_in_comm, release on, v1 / v2: in batch 1
-    the last Linear's bias gets no grad on rank 3. Returns {case: _pipe_recovery's result}."""
+    """free_grads_in_comm: the last bias gets no grad on rank 3 in batch 1. -> {case: ...}"""
     def change(model, opt, bad):
         if rank == 3:
             model._layers[3].mode = "no_bias" if bad else "plain"
@@ -199,9 +192,7 @@ def free_in_comm_pipeline(rank, world):
 
 
 def reentrant_checkpoint(rank, world):
-    """pp 2 x sharding 2, sharding overlap: in batch 1 stage 0's first Linear runs under a
-    reentrant checkpoint on data (no grad for it), then under use_reentrant=False. Returns
-    {case: _pipe_recovery's result}."""
+    """Stage 0's first Linear under a reentrant checkpoint in batch 1. -> {case: ...}"""
     def change(model, opt, bad):
         if model.stage_id == 0:
             model._layers[0].mode = "reentrant" if bad else "non_reentrant"
@@ -228,12 +219,12 @@ class Branchy(nn.Module):
 
 
 SMALL, LARGE = (4, 8, 3), (512, 512, 512)  # LARGE: 1 MiB weights (one bucket each at 1 MB)
+_VERSIONS_RELEASES = list(cases(("v", (1, 2)), ("release", (False, True))))
 
 
 def _own_recovery(st, make_model, change, steps=4, bad=1, lr=LR):
-    """Own overlap on 2 ranks, `make_model()`, AdamW(lr): `steps` steps, step `bad` through
-    `_bad_step`. Returns (its error, unchanged, freed, params, one process over the other
-    steps, the bucket sizes, the bad step's seconds)."""
+    """`steps` steps of own overlap on 2 ranks, step `bad` through `_bad_step`. -> (error,
+    unchanged, freed, params, one process's, bucket sizes, the bad step's seconds)"""
     hcg = HybridCommunicateGroup(st, timeout=WAIT)
     model, config = make_model(), st.sharding_configs
     opt = CLASSES[2 if config.split_param else 1](
@@ -262,8 +253,8 @@ def _branch_left_out(model, opt, bad):
 
 
 def free_in_comm_own(rank, world, version, case):
-    """free_grads_in_comm, v`version`, Branchy(*LARGE) (several buckets): in step 1 rank 1
-    leaves the branch out ("branch") or sets another lr ("lr"). Returns _own_recovery's."""
+    """free_grads_in_comm, Branchy(*LARGE): rank 1 leaves the branch out or sets another
+    lr. -> _own_recovery's"""
     def other_lr(model, opt, bad):
         opt.param_groups[0]["lr"] = LR * 1.25 if bad and rank == 1 else LR
 
@@ -274,38 +265,27 @@ def free_in_comm_own(rank, world, version, case):
 
 
 def unused_branch_named(rank, world):
-    """Own overlap, acc 2, v1 / v2, release off / on, Branchy(*SMALL): rank 1 leaves the branch
-    (weight (3, 4)) out in step 1. Returns {case: _own_recovery's result}."""
-    out = {}
+    """Own overlap, acc 2: rank 1 leaves the branch out in step 1. -> {case: ...}"""
     with _short_store_waits():
-        for v in (1, 2):
-            for r in (False, True):
-                out[f"v{v} release={r}"] = _own_recovery(own_strategy(2, v, acc=ACC, release=r),
-                                                         lambda: Branchy(*SMALL),
-                                                         _branch_left_out)
-    return out
+        return {case: _own_recovery(own_strategy(2, v, acc=ACC, release=r),
+                                    lambda: Branchy(*SMALL), _branch_left_out)
+                for case, (v, r) in _VERSIONS_RELEASES}
 
 
 def frozen_after_build(rank, world):
-    """Own overlap, v1 / v2, release off / on, Branchy(*SMALL): the branch frozen on every rank
-    for step 1, after build. Returns {case: _own_recovery's result}."""
+    """Own overlap: the branch frozen on every rank for step 1. -> {case: ...}"""
     def freeze(model, opt, bad):
         model.branch.requires_grad_(not bad)
 
-    out = {}
     with _short_store_waits():
-        for v in (1, 2):
-            for r in (False, True):
-                out[f"v{v} release={r}"] = _own_recovery(own_strategy(2, v, release=r),
-                                                         lambda: Branchy(*SMALL), freeze)
-    return out
+        return {case: _own_recovery(own_strategy(2, v, release=r), lambda: Branchy(*SMALL),
+                                    freeze) for case, (v, r) in _VERSIONS_RELEASES}
 
 
 # ---------------------------------------------------------------- the store does not grow
 
 def _key_counts(step, steps=10):
-    """The default store's key count after each of `steps` calls `step(k)` (every rank done
-    with step k before any counts, and with counting before step k + 1)."""
+    """The default store's key count after each of `steps` calls `step(k)`."""
     store, counts = dist.distributed_c10d._get_default_store(), []
     for k in range(steps):
         step(k)
@@ -316,8 +296,7 @@ def _key_counts(step, steps=10):
 
 
 def store_keys_own_overlap(rank, world):
-    """2 ranks: key counts over 10 steps of own overlap (v1 / v2, release off / on) and of
-    plain torch (AdamW, an all-reduce per grad). Returns {case: counts}."""
+    """Key counts over 10 steps of own overlap and of plain torch. -> {case: counts}"""
     def loop(model, opt, release, reduce=False):
         def step(k):
             backward(model, rank, world, k)
@@ -327,18 +306,14 @@ def store_keys_own_overlap(rank, world):
             clear(opt, release)
         return _key_counts(step)
 
-    out = {}
-    for v in (1, 2):
-        for r in (False, True):
-            out[f"v{v} release={r}"] = loop(*sharded(world, v, True, 1, r), r)
+    out = {case: loop(*sharded(world, v, True, 1, r), r) for case, (v, r) in _VERSIONS_RELEASES}
     model = _mlp(SIZES)
     out["plain torch"] = loop(model, torch.optim.AdamW(model.parameters(), lr=LR), True, True)
     return out
 
 
 def store_keys_train_batch(rank, world):
-    """pp 2 x sharding 2: key counts over 10 train_batch calls (v1 / v2, sharding overlap,
-    release off / on). Returns {case: counts}."""
+    """Key counts over 10 train_batch calls of pp 2 x sharding 2. -> {case: counts}"""
     out = {}
     for case, st, cls in _layouts("sharding", overlaps=(True,)):
         hcg = HybridCommunicateGroup(st)
@@ -353,9 +328,8 @@ def store_keys_train_batch(rank, world):
 # ---------------------------------------------------------------- one Parameter in two chunks
 
 def param_in_two_chunks(rank, world):
-    """Interleave, pp 2, 2 virtual stages, one nn.Linear at layers 0 and 4 (chunks 0 and 2):
-    pp 2 x sharding 2 (v2, sharding overlap) and pp 2 x dp 2 (dp overlap), release off / on.
-    Returns {case: (what construction raised, what a later train_batch raised)}."""
+    """Interleave: one nn.Linear at layers 0 and 4. -> {case: (construction's error,
+    a later train_batch's)}"""
     out = {}
     with _short_store_waits():
         for case, st, cls in [*_layouts("sharding", (2,), (True,)), *_layouts("dp", (), (True,))]:
@@ -386,18 +360,14 @@ def _lone_layers():
 
 
 def lone_weight(rank, world):
-    """comm_buffer_size_MB=1, AdamW(1e-3), 3 steps of acc 2, v1 / v2, release off / on: own
-    overlap (2 ranks) or pp 2 x sharding 2 with sharding overlap (4 ranks). Returns {case:
-    (params, one process summing as the ranks sum, this rank's bucket sizes)}."""
+    """comm_buffer_size_MB=1, own overlap (2 ranks) or pp 2 x sharding 2 (4).
+    -> {case: (params, one process summing as the ranks do, bucket sizes)}"""
     out = {}
-    if world == 2:
-        for v in (1, 2):
-            for r in (False, True):
-                st = own_strategy(2, v, acc=ACC, release=r, comm_buffer_size_MB=1)
-                out[f"v{v} release={r}"] = _own_recovery(
-                    st, lambda: nn.Sequential(*_lone_layers()), None, 3, None, 1e-3)[3:6]
-        return out
-    for case, st, cls in _layouts("sharding", overlaps=(True,)):
+    for case, (v, r) in _VERSIONS_RELEASES if world == 2 else ():
+        st = own_strategy(2, v, acc=ACC, release=r, comm_buffer_size_MB=1)
+        out[case] = _own_recovery(st, lambda: nn.Sequential(*_lone_layers()), None, 3, None,
+                                  1e-3)[3:6]
+    for case, st, cls in _layouts("sharding", overlaps=(True,)) if world == 4 else ():
         st.sharding_configs.comm_buffer_size_MB = 1
         out[case] = _pipe_recovery(st, cls, None, _lone_layers, 3, None, 1e-3)[3:6]
     return out

@@ -1,6 +1,6 @@
 """Rank-side checks of what real training scripts bring: zero_grad() with collectives in flight,
-sparse grads, a batch that does not split, an all-frozen stage, a weight tied across stages,
-and misuse on one rank that every rank learns of at once."""
+sparse grads, batches that do not split, a frozen stage, ties across stages, misuse on one
+rank that every rank learns of at once."""
 import time
 from datetime import timedelta
 from itertools import product
@@ -20,7 +20,7 @@ from relgrad_extras.interleave import PipelineParallelWithInterleave
 
 
 def _timed(fn, *args):
-    """(what `fn(*args)` raised or None, the seconds it took)."""
+    """(what `fn(*args)` raised or None, the seconds it took)"""
     start = time.monotonic()
     seen = caught(fn, *args)
     return seen, time.monotonic() - start
@@ -29,9 +29,8 @@ def _timed(fn, *args):
 # ---------------------------------------------------------------- zero_grad() at the wrong time
 
 def zero_grad_in_flight(rank, world):
-    """v1 / v2, own overlap, release on / off: backward, zero_grad() (collectives in flight),
-    step(), zero_grad(), then STEPS steps. Returns ({case: (the three errors, params)}, one
-    process)."""
+    """Own overlap: zero_grad() with collectives in flight, step(), zero_grad(), then
+    STEPS steps. -> ({case: (the three errors, params)}, one process)"""
     out = {}
     for version, release in product((1, 2), (True, False)):
         model, opt = sharded(world, version, True, 1, release)
@@ -45,8 +44,8 @@ def zero_grad_in_flight(rank, world):
 
 
 def zero_grad_on_one_rank(rank, world):
-    """v1 / v2 without overlap, release on / off: backward, zero_grad() on rank 1 only, step();
-    cleared, STEPS steps. Returns ({case: (step()'s error, params)}, one process)."""
+    """No overlap: zero_grad() on rank 1 only, step(); cleared, STEPS steps.
+    -> ({case: (step()'s error, params)}, one process)"""
     out = {}
     for version, release in product((1, 2), (True, False)):
         model, opt = sharded(world, version, False, 1, release)
@@ -61,9 +60,8 @@ def zero_grad_on_one_rank(rank, world):
 
 
 def clip_arguments_differ(rank, world):
-    """v1 / v2, own overlap off / on: rank 1 clips with another max_norm, an invalid one, then
-    steps while rank 0 clips; then both clip at 0.05 for STEPS steps. Returns ({case: ([(each
-    call's error, its seconds)], params)}, one process clipped at 0.05)."""
+    """Rank 1 clips otherwise, invalidly, or steps while rank 0 clips; then both clip at
+    0.05. -> ({case: ([(error, seconds)] of the three calls, params)}, one process)"""
     out = {}
     for version, overlap in product((1, 2), (False, True)):
         model, opt = sharded(world, version, overlap, 1)
@@ -112,7 +110,7 @@ def _tokens(step, n):
 
 
 def _sparse_oracle(steps, batch=8):
-    """One process, a dense nn.Embedding, the whole batch, AdamW(1e-2)."""
+    """One process, a dense nn.Embedding, the whole batch, AdamW(1e-2). -> params"""
     model = _Bag(sparse=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(steps):
@@ -124,8 +122,8 @@ def _sparse_oracle(steps, batch=8):
 
 
 def sparse_grads(rank, world):
-    """nn.Embedding(sparse=True), v1 / v2, own overlap off / on, release on / off, acc 2, 3
-    AdamW steps. Returns ({case: params}, one process)."""
+    """nn.Embedding(sparse=True), v1 / v2, own overlap, release, acc 2, 3 AdamW steps.
+    -> ({case: params}, one process)"""
     out = {}
     for case in product((1, 2), (False, True), (True, False)):
         version, overlap, release = case
@@ -147,9 +145,8 @@ PIPE_SPARSE_CASES = ("sharding v1 overlap", "sharding v2 overlap", "dp overlap",
 
 
 def sparse_grads_pipeline(rank, world):
-    """The embedding stage of a sparse _Bag on pp 2 x sharding 2 (sharding overlap, v1 / v2) or
-    pp 2 x dp 2 (dp overlap on / off), release on / off, acc 2, 2 AdamW steps. Returns
-    {(case, release): (this stage's params, one process's)}."""
+    """A sparse embedding stage, pp 2 x sharding 2 or x dp 2, 2 AdamW steps.
+    -> {(case, release): (this stage's params, one process's)}"""
     out = {}
     for case, release in product(PIPE_SPARSE_CASES, (True, False)):
         sharding = case.startswith("sharding")
@@ -174,8 +171,7 @@ def sparse_grads_pipeline(rank, world):
 # ---------------------------------------------------------------- batches, stages, ties
 
 def batch_does_not_split(rank, world):
-    """pp 1 x dp 2, acc 2, groups' timeout 20 s: rank 0 gets 3 samples, rank 1 none. Returns
-    (what train_batch raised, its seconds)."""
+    """pp 1 x dp 2, acc 2: rank 0 gets 3 samples, rank 1 none. -> (error, seconds)"""
     st = HybridStrategy(dp_degree=2, accumulate_steps=2)
     hcg = HybridCommunicateGroup(st, timeout=timedelta(seconds=20))
     model = PipelineParallel([nn.Linear(3, 2)], hcg, st, F.mse_loss)
@@ -195,9 +191,8 @@ def _frozen_layers():
 
 
 def frozen_stage(rank, world):
-    """pp 2 x sharding 2, release on, acc 2, [Linear, Tanh, frozen Linear] cut [0, 2) [2, 3); v1
-    / v2, sharding overlap off / on, 2 SGD steps. Returns {case: (what training raised, this
-    stage's params, one process's)}."""
+    """pp 2 x sharding 2, stage 1's only Linear frozen, 2 SGD steps.
+    -> {case: (what training raised, this stage's params, one process's)}"""
     out = {}
     for version, overlap in FROZEN_CASES:
         st = _strategy(pp=2, sharding=2, acc=2, release=True, split_param=version == 2,
@@ -238,9 +233,8 @@ def _tied_layers():
 
 
 def tie_across_stages(rank, world):
-    """pp 2, [embedding, Linear, Linear, head] with the head's weight the embedding's, cut
-    [0, 2) [2, 4). Returns what building without shared_weights, building with it and one
-    train_batch of the latter raised."""
+    """pp 2 with the head's weight the embedding's: built without shared_weights, with it,
+    then trained. -> (the three errors)"""
     st = HybridStrategy(pp_degree=2, accumulate_steps=2)
     hcg = HybridCommunicateGroup(st)
     untied = caught(PipelineParallel, _tied_layers(), hcg, st, F.mse_loss)
@@ -253,9 +247,8 @@ def tie_across_stages(rank, world):
 
 
 def incomplete_tied_and_interleaved(rank, world):
-    """pp 2 x sharding 2 v2, sharding overlap, release on, acc 2: on rank 3 a param gets no grad
-    in micro-batch 1, in a bucket holding a tied copy or under the interleaved schedule.
-    Returns {case: (what train_batch raised, what the next one using every param raised)}."""
+    """On rank 3 a param gets no grad in micro-batch 1, in a bucket with a tied copy
+    or interleaved. -> {case: (error, the next train_batch's error)}"""
     out = {}
     for case in ("tied", "interleaved"):
         st = _strategy(pp=2, sharding=2, acc=2, release=True, split_param=True,
@@ -279,9 +272,8 @@ def incomplete_tied_and_interleaved(rank, world):
 
 
 def direct_call_bad_batch(rank, world):
-    """pp 2, acc 2, groups' timeout 20 s, forward_backward_pipeline called directly with 3
-    samples on stage 0 and 4 on stage 1 (plain and interleaved), then a good call. Returns
-    {case: (what the call raised, its seconds, what the good call raised)}."""
+    """forward_backward_pipeline called with 3 samples on stage 0, 4 on stage 1, then a
+    good call. -> {case: (error, seconds, the good call's error)}"""
     out = {}
     for case in ("plain", "interleaved"):
         st = _strategy(pp=2, acc=2)
@@ -301,9 +293,8 @@ def direct_call_bad_batch(rank, world):
 
 
 def grad_clip_differs(rank, world):
-    """Paddle's clip at 1.0 on rank 0 and 0.5 on rank 1, given to a v1 / v2 constructor
-    (sharding 2) and to train_batch (pp 1 x dp 2); then one clip on both. Returns {where:
-    what it raised}, "agreed" the agreed train_batch's."""
+    """Paddle's clip at 1.0 on rank 0, 0.5 on rank 1, to v1 / v2 and to train_batch;
+    then one clip. -> {where: error}"""
     clip = ClipGradByGlobalNorm(1.0 if rank == 0 else 0.5)
     seen = {}
     for version in (1, 2):
