@@ -1247,7 +1247,7 @@ def _check_walk_tags(events):
 
 
 def test_walkthrough(ranks):
-    """Check that --walkthrough tells each buffer's life in order and sums as one process does."""
+    """Check --walkthrough's event order, sums, tags and printout against the code, one process."""
     from relgrad_demo import walkthrough as wt
     runs = {}
     for world, layouts in ((2, ["v2", "v2-overlap"]), (4, ["v1", "dp"])):
@@ -1743,7 +1743,7 @@ def test_drift_hunk_table_ranges():
 
 
 def test_drift_paths_exist(capsys):
-    """Check that every path and markdown link the README, docs/, --help and docstrings cite is."""
+    """Check that each path and link the README, docs/, --help and docstrings cite exists."""
     texts = _cited_texts(capsys)
     assert len(texts) > 10 and "README.md" in texts and "--help" in texts
     missing, seen = [], 0
@@ -2444,11 +2444,12 @@ def _check_constant_keys(results, world, cases):
     assert not grown, f"keys added from step 1 to step 10: {grown}"
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_store_keys_constant(ranks, world):
+@pytest.mark.parametrize("world, fn, cases", [(2, recovery.store_keys_own_overlap, 5),
+                                              (4, recovery.store_keys_train_batch, 4)],
+                         ids=["own-overlap", "train-batch"])
+def test_store_keys_constant(ranks, world, fn, cases):
     """Check that 10 steps (own overlap; train_batch) leave the store's key count as at step 1."""
-    fn = recovery.store_keys_own_overlap if world == 2 else recovery.store_keys_train_batch
-    _check_constant_keys(ranks(world).run(fn, timeout=60), world, 5 if world == 2 else 4)
+    _check_constant_keys(ranks(world).run(fn, timeout=60), world, cases)
 
 
 def test_interleave_param_in_two_chunks_refused_at_build(ranks):

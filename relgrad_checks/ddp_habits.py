@@ -65,7 +65,7 @@ def _edit(source, *pairs):
     return source
 
 
-def bn_recipe(source, release):
+def bn_recipe(source: str, release: bool) -> str:
     """Recipe (a) with a BatchNorm1d model, RELEASE = `release`, saving its state and eval."""
     tail = _TAIL.format(imports="from comm_buffer import broadcast_buffers\n",
                         sync="broadcast_buffers(model, None)", forward="model")
@@ -73,7 +73,7 @@ def bn_recipe(source, release):
                  (_END, tail + _END))
 
 
-def zero_grad_default_recipe(source):
+def zero_grad_default_recipe(source: str) -> str:
     """Recipe (a) with release off and zero_grad() to None, saving VIEWS (grad is slot)."""
     check = ("    VIEWS.append([p.grad.data_ptr() == b.grad_storage[b.param2offset[p]:]"
              ".data_ptr() for b in buffers for p in b.params])\n")
@@ -87,7 +87,7 @@ def zero_grad_default_recipe(source):
 
 # ---------------------------------------------------------------- the sharding optimizers
 
-def torch_clip_no_overlap(rank, world):
+def torch_clip_no_overlap(rank: int, world: int) -> tuple[dict, list]:
     """torch's clip on the model before step(), v1 / v2, no overlap; then opt's clip.
     -> ({case: (error, params unchanged, params)}, one process clipping with torch)"""
     out = {}
@@ -104,7 +104,7 @@ def torch_clip_no_overlap(rank, world):
     return out, oracle(clip=1.0)[0]
 
 
-def grad_scaler(rank, world):
+def grad_scaler(rank: int, world: int) -> tuple[dict, list]:
     """GradScaler on v1 / v2, an inf on rank 1, unscale_ + clip or not; then STEPS steps
     without it. -> ({case: (error, params unchanged, later error, params)}, one process)"""
     out = {}
@@ -132,7 +132,7 @@ def grad_scaler(rank, world):
     return out, oracle(range(1, STEPS + 1))[0]
 
 
-def train_py_order(rank, world):
+def train_py_order(rank: int, world: int) -> tuple[dict, list]:
     """train.py's order (zero_grad after the forward), with or without one more after
     step(). -> ({case: ([(training, (buffer held, grad held))] per forward, buffers,
     params)}, one process)"""
@@ -165,7 +165,7 @@ def train_py_order(rank, world):
     return out, oracle()[0]
 
 
-def zero_grad_default(rank, world):
+def zero_grad_default(rank: int, world: int) -> tuple[dict, list]:
     """zero_grad() to None after each step: v1 trains (grads views again under overlap),
     v2 with release off refuses. -> ({case: (error, views, params)}, one process)"""
     out = {}
@@ -210,7 +210,7 @@ def _grads_seen(model, opt):
     return seen
 
 
-def grads_final(rank, world):
+def grads_final(rank: int, world: int) -> tuple[dict, tuple]:
     """The grads a step pre-hook or finish_grad_sync() sees, own overlap. -> ({case: (per
     step _grads_seen, per step kept bitwise by step(), params)}, one process's (grads, params))"""
     out = {}
@@ -240,7 +240,7 @@ def grads_final(rank, world):
 
 # ---------------------------------------------------------------- the bare buffer
 
-def wrong_group(rank, world):
+def wrong_group(rank: int, world: int) -> dict:
     """A bare buffer built with comm_group=None over stages of other shapes or dtype, then
     with each stage's group. -> {case: (error, params, one process's)}"""
     stage, out = rank // 2, {}
@@ -281,7 +281,7 @@ def _mean_step(shape, dtype, x, y):
     return params(one)
 
 
-def acc_steps_message(rank, world):
+def acc_steps_message(rank: int, world: int) -> dict:
     """A bare buffer with acc_steps=1 under 4 micro-batches. -> {release: error}"""
     out = {}
     for release in (False, True):
@@ -298,7 +298,7 @@ def acc_steps_message(rank, world):
 class Expert(nn.Module):
     """`x + expert(x)` while `active` (some token routed to it), else `x`: no grad reaches it."""
 
-    def __init__(self, d):
+    def __init__(self, d: int) -> None:
         super().__init__()
         self.expert, self.active = nn.Linear(d, d), True
 
@@ -350,7 +350,7 @@ def _routed(layers):
     return lambda step: setattr(layers[2], "active", step % 2 == 0)
 
 
-def moe_expert(rank, world):
+def moe_expert(rank: int, world: int) -> tuple[dict, list]:
     """pp 2 (x dp 2), AdamW: stage 1's expert gets tokens in even steps only.
     -> ({release: this stage's params}, one process's)"""
     adamw, out = (lambda ps: torch.optim.AdamW(ps, lr=LR)), {}
@@ -363,7 +363,7 @@ def moe_expert(rank, world):
     return out, want[first: first + len(out[True])]
 
 
-def frozen_batchnorm(rank, world):
+def frozen_batchnorm(rank: int, world: int) -> tuple[dict, list]:
     """pp 2, SGD: a BatchNorm1d set to eval(), then train_batch and eval_batch.
     -> ({release: ([(training, bn.training)], stats changed, params)}, one process's)"""
     sgd, out = (lambda ps: torch.optim.SGD(ps, lr=0.1)), {}

@@ -33,7 +33,7 @@ _CONFIG = re.compile(r"^(pp_configs|sharding_configs)\.(\w+)(?:=\S+)?$")
 _CONFIGS = {"pp_configs": "PpConfig", "sharding_configs": "DygraphShardingConfig"}
 
 
-def docs():
+def docs() -> list:
     """README.md and docs/*.md, relative to the repo root."""
     return [Path("README.md")] + sorted(p.relative_to(REPO) for p in (REPO / "docs").glob("*.md"))
 
@@ -43,7 +43,7 @@ _FENCE = re.compile(r"^```python\n", re.M)
 _MARK = re.compile(r"<!-- (recipe \w+: [^>]*?|not run: [^>]+?) -->\n$")
 
 
-def readme_recipes():
+def readme_recipes() -> dict:
     """{name: (files to copy, source)} of every tagged recipe; ValueError on a name twice."""
     found = {}
     for doc in docs():
@@ -54,7 +54,7 @@ def readme_recipes():
     return found
 
 
-def fenced_python_blocks():
+def fenced_python_blocks() -> list:
     """[(doc, line, the marker above it or None)] of every ```python block: a test runs it when
     the marker is `<!-- recipe NAME: files -->`; `<!-- not run: reason -->` says why not."""
     blocks = []
@@ -67,7 +67,7 @@ def fenced_python_blocks():
     return blocks
 
 
-def core_docstrings():
+def core_docstrings() -> dict:
     """{"file.py:line": docstring} of every module, class and function of the core."""
     found = {}
     for name in CORE:
@@ -80,7 +80,7 @@ def core_docstrings():
     return found
 
 
-def citations(text, bare=False):
+def citations(text: str, bare: bool = False) -> tuple:
     """(paths, dotted names, (file, name) pairs) `text` cites in backticks, links and
     `file.py: name` tags; with `bare` (as `--help`) every word ending in an extension or /."""
     paths, dotted = set(), set()
@@ -105,18 +105,18 @@ def citations(text, bare=False):
     return paths, dotted, pairs
 
 
-def links(text):
+def links(text: str) -> list:
     """Markdown link targets of `text` that are not web addresses."""
     return [t for t in _LINK.findall(text) if not re.match(r"^[a-z]+:", t)]
 
 
-def is_ours(path):
+def is_ours(path: str) -> bool:
     """Whether a cited path must exist in this repo (Paddle's and torch's files are not)."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
     return name not in NOT_OURS and not path.startswith(NOT_OURS_PREFIXES)
 
 
-def path_exists(path):
+def path_exists(path: str) -> bool:
     """A path with a folder from the repo root; a bare name at the root or in docs/, .ci/,
     relgrad_*/."""
     if "/" in path.rstrip("/"):
@@ -125,7 +125,7 @@ def path_exists(path):
     return any((folder / path).exists() for folder in folders)
 
 
-def resolve_dotted(name):
+def resolve_dotted(name: str) -> str | None:
     """None if `name` resolves (its longest module prefix imported, getattr the rest), else
     why not."""
     parts = name.split(".")
@@ -142,7 +142,7 @@ def resolve_dotted(name):
     return f"no module {parts[0]}"
 
 
-def resolve_in_file(file, name):
+def resolve_in_file(file: str, name: str) -> str | None:
     """None if `file.py: name` resolves (dotted: getattr, inherited counts; bare: a module
     attribute or one a class of the module defines), else why not."""
     if not (REPO / file).is_file():
@@ -159,7 +159,7 @@ def resolve_in_file(file, name):
     return f"{file} defines no {name}"
 
 
-def link_problem(doc, target):
+def link_problem(doc: str, target: str) -> str | None:
     """Why the markdown link `target` of `doc` is broken, or None."""
     file, _, anchor = target.partition("#")
     path = ((REPO / doc).parent / file).resolve() if file else REPO / doc
@@ -170,7 +170,7 @@ def link_problem(doc, target):
     return None
 
 
-def heading_anchors(text):
+def heading_anchors(text: str) -> set:
     """GitHub's anchors for the headings of a markdown text."""
     anchors = set()
     for line in text.splitlines():
@@ -196,14 +196,14 @@ def _format_ranges(ranges):
     return ", ".join(f"{a}-{b}" for a, b in ranges)
 
 
-def hunk_rows(readme):
+def hunk_rows(readme: str) -> list:
     """[(row, hunk text, file, qualified name, [(first, last)], range file, read with)]
     of the README's hunk table."""
     return [(int(m.group(1)), m.group(2), m.group(4), m.group(5), _parse_ranges(m.group(7)),
              m.group(6), m.group(8)) for m in _ROW.finditer(readme)]
 
 
-def read_with_range(file, name):
+def read_with_range(file: str, name: str) -> tuple | None:
     """(first, last) of `name` in `file`: a qualified name or a method of one of its classes."""
     found = actual_range(file, name)
     if found is not None:
@@ -225,7 +225,7 @@ def _statements(source):
     return [n for n in ast.walk(_tree(source)) if isinstance(n, ast.stmt)]
 
 
-def actual_range(file, qualname):
+def actual_range(file: str, qualname: str) -> tuple | None:
     """(first, last) line of `qualname` in `file` as `ast` sees it: a def or class from its
     first decorator; a class attribute from the comment block above it."""
     source = (REPO / file).read_text()
@@ -248,7 +248,7 @@ def actual_range(file, qualname):
     return first, node.end_lineno
 
 
-def hunk_range(file, qualname, mark):
+def hunk_range(file: str, qualname: str, mark: str) -> list | None:
     """[(first, last)] of the hunks marked `mark` in `qualname`: each from the mark through
     the next blank line (at least the statement after it); the whole method or field when
     marked so. None without a mark."""
@@ -293,7 +293,7 @@ def _mark(hunk):
             else "Seed hunk")
 
 
-def check_hunk_row(row):
+def check_hunk_row(row: tuple) -> str | None:
     """Why a row of the hunk table does not match the code (its names, its ranges of the
     `Seed hunk` marks, `hunk_range`), or None."""
     number, hunk, file, qualname, ranges, range_file, read_with = row
@@ -318,7 +318,7 @@ def check_hunk_row(row):
     return None
 
 
-def fix_ranges(readme):
+def fix_ranges(readme: str) -> str:
     """The README with each row's ranges (and read-with ranges) set to what the code holds."""
     def fixed(m):
         actual = hunk_range(m.group(4), m.group(5), _mark(m.group(2)))

@@ -18,7 +18,7 @@ from relgrad_checks.loops import CLASSES, caught, hooked, own_strategy, params
 class Scale(nn.Module):
     """`w * x` with a scalar param w = 1."""
 
-    def __init__(self, dtype=torch.float32):
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.ones((), dtype=dtype))
 
@@ -29,7 +29,7 @@ class Scale(nn.Module):
 class SometimesUnused(nn.Module):
     """`w * x + b`, but on global rank `rank` the second forward leaves b out (no grad)."""
 
-    def __init__(self, rank):
+    def __init__(self, rank: int) -> None:
         super().__init__()
         self.w, self.b = nn.Parameter(torch.ones(())), nn.Parameter(torch.zeros(()))
         self.rank, self.calls = rank, 0
@@ -41,11 +41,12 @@ class SometimesUnused(nn.Module):
         return self.w * x + self.b
 
 
-def mean_loss(out, y):
+def mean_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y) ** 2).mean()
 
 
-def pipeline(st, layers, version=None, loss=mean_loss, lr=0.1, **kwargs):
+def pipeline(st: HybridStrategy, layers: list, version: int | None = None, loss=mean_loss,
+             lr: float = 0.1, **kwargs) -> tuple:
     """(hcg, PipelineParallel of `layers`, SGD(lr) in sharding v`version` if given)"""
     hcg = HybridCommunicateGroup(st)
     model = PipelineParallel(layers, hcg, st, loss, **kwargs)
@@ -61,7 +62,7 @@ def _ones(n):
 
 # ---------------------------------------------------------------- a stage fails alone
 
-def moved_grad_on_one_stage(rank, world):
+def moved_grad_on_one_stage(rank: int, world: int) -> list:
     """pp 2 x sharding 2 v1, sharding overlap: stage 1 rebinds its grads out of place
     after step 1. -> [(params after step 2, every grad in its slot)] with and without"""
     runs = []
@@ -81,7 +82,7 @@ def moved_grad_on_one_stage(rank, world):
     return runs
 
 
-def stage_never_arrives(rank, world, seconds):
+def stage_never_arrives(rank: int, world: int, seconds: float) -> tuple[str, str] | None:
     """pp 2: stage 1 never calls train_batch. -> stage 0's error (None on stage 1)"""
     st = _strategy(pp=2, acc=2)
     hcg = HybridCommunicateGroup(st, timeout=timedelta(seconds=seconds))
@@ -91,7 +92,7 @@ def stage_never_arrives(rank, world, seconds):
     return caught(model.train_batch, _ones(2), torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def stage_refuses_to_start(rank, world):
+def stage_refuses_to_start(rank: int, world: int) -> tuple[str, str] | None:
     """pp 2 x sharding 2 v2: stage 1 alone has main-grad hooks on a param. -> error"""
     st = _strategy(pp=2, sharding=2, acc=2, split_param=True, sharding_comm_overlap=True)
     hcg = HybridCommunicateGroup(st)
@@ -104,7 +105,8 @@ def stage_refuses_to_start(rank, world):
 
 # ---------------------------------------------------------------- fewer backward passes
 
-def fewer_backward_passes(rank, world, version, release, passes):
+def fewer_backward_passes(rank: int, world: int, version: int, release: bool,
+                          passes: list) -> tuple:
     """Own overlap, acc 2: rank r runs `passes[r]` backward passes, then a right step.
     -> (step()'s error, params, one process's)"""
     st = own_strategy(world, version, acc=2, release=release)
@@ -130,7 +132,8 @@ def fewer_backward_passes(rank, world, version, release, passes):
     return seen, params(model), params(reference)
 
 
-def pipeline_accumulate_steps_differ(rank, world, version):
+def pipeline_accumulate_steps_differ(rank: int, world: int,
+                                     version: int) -> tuple[str, str] | None:
     """pp 2 x sharding 2, sharding overlap: rank 3's acc is 1, the others' 2. -> error"""
     st = _strategy(pp=2, sharding=2, acc=1 if rank == 3 else 2, release=True,
                    split_param=version == 2, sharding_comm_overlap=True)
@@ -138,7 +141,7 @@ def pipeline_accumulate_steps_differ(rank, world, version):
     return caught(model.train_batch, _ones(st.accumulate_steps * 2), opt)
 
 
-def pipeline_param_left_out(rank, world, version, release):
+def pipeline_param_left_out(rank: int, world: int, version: int, release: bool) -> tuple:
     """pp 2 x sharding 2: on rank 3 a param gets no grad in micro-batch 1. -> (error,
     a broadcast from rank 0 after a good train_batch)"""
     st = _strategy(pp=2, sharding=2, acc=2, release=release, split_param=version == 2,
@@ -182,12 +185,12 @@ def _fp16_case(path, rank, world):
     return model.w.detach().clone()
 
 
-def fp16_sums(rank, world):
+def fp16_sums(rank: int, world: int) -> dict:
     """{path: w after one step} for each path of FP16_PATHS."""
     return {path: _fp16_case(path, rank, world) for path in FP16_PATHS}
 
 
-def fp16_pipeline_dp_overlap(rank, world):
+def fp16_pipeline_dp_overlap(rank: int, world: int) -> torch.Tensor:
     """pp 2 x dp 2, dp_comm_overlap: fp16 stages pulled by _PULLS[dp rank]. -> w"""
     st = _strategy(dp=2, pp=2, release=True, dp_comm_overlap=True)
     hcg, model, opt = pipeline(st, [Scale(torch.float16), Scale(torch.float16)], None,
@@ -197,7 +200,7 @@ def fp16_pipeline_dp_overlap(rank, world):
     return model._layers[0].w.detach().clone()
 
 
-def fused_buffer_fp32_unchanged(rank, world):
+def fused_buffer_fp32_unchanged(rank: int, world: int) -> tuple:
     """An fp32 buffer and all_reduce_mean on integer grads, 3 ranks. -> (both, grads)"""
     p = nn.Parameter(torch.zeros(64))
     buffers = hooked([p], None, 1, True)
@@ -235,7 +238,7 @@ def _resumable(st, version, hcg):
     return build, train, load
 
 
-def resumed_scheduler_v2_pipeline(rank, world, version):
+def resumed_scheduler_v2_pipeline(rank: int, world: int, version: int) -> tuple:
     """pp 2 x sharding 2, StepLR(1, 0.5): 2 batches, saved, loaded before any
     train_batch. -> (lrs read, params of 2 more batches resumed, the same uninterrupted)"""
     st = _strategy(pp=2, sharding=2, acc=2, release=True, split_param=version == 2,

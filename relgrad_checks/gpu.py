@@ -111,7 +111,7 @@ def _shared_rank(rank, world, device):
     return _off_and_on(device)
 
 
-def main(argv):
+def main(argv: list) -> int:
     """`one-rank` or `shared` [--cpu]: run, print the JSON list of per-rank results."""
     what, cpu = argv[0], "--cpu" in argv
     device = "cpu" if cpu else "cuda:0"

@@ -12,7 +12,7 @@ from relgrad_checks.loops import (CLASSES, SIZES, STEPS, backward, caught, clear
                                   own_strategy, params, sharded, train)
 
 
-def skipped_backward(rank, world):
+def skipped_backward(rank: int, world: int) -> tuple[dict, list]:
     """Own overlap: in step 0 rank 1 skips backward or clears alone; then STEPS steps.
     -> ({case: (error, params)}, one process over those steps)"""
     out = {}
@@ -31,7 +31,7 @@ def skipped_backward(rank, world):
     return out, oracle(range(1, STEPS + 1))[0]
 
 
-def lr_per_rank(rank, world):
+def lr_per_rank(rank: int, world: int) -> tuple[dict, list]:
     """Rank 1 sets another lr by hand; set back, cleared, trained on.
     -> ({case: (error, params)}, one process)"""
     out = {}
@@ -82,7 +82,7 @@ def _gan_steps(gen, disc, opt_g, opt_d, rows, freeze, steps=2):
     return params(gen) + params(disc)
 
 
-def gan(rank, world):
+def gan(rank: int, world: int) -> tuple[dict, list]:
     """Two sharding optimizers in DCGAN's loop, D frozen for G's step or not.
     -> ({version: (error, params)}, one process)"""
     out = {}
@@ -95,7 +95,7 @@ def gan(rank, world):
     return out, _gan_steps(*_gan(None, None, None), slice(0, 8), freeze=True)
 
 
-def bare_buffer(rank, world):
+def bare_buffer(rank: int, world: int) -> tuple:
     """The bare buffer: a grad scaled in flight on rank 0, then training on; a comm_group
     whose ranks hold other buckets. -> (error, params, one process, build error)"""
     model = _mlp(SIZES)

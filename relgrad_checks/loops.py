@@ -1,12 +1,14 @@
 """Rank-side checks of the torch loop around the sharding optimizers (loop orders,
 `clip_grad_norm_`, setups that differ) and the scaffolding the other loop checks share: an MLP,
 its micro-batches, a sharded optimizer, training steps, one process on the whole batch."""
+from collections.abc import Callable, Iterable, Iterator
 from itertools import product
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from comm_buffer import HOOK_ACTION, FusedCommBuffer, assign_group_by_size, bw_hook_func
 from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy
@@ -20,7 +22,7 @@ CLASSES = {1: DygraphShardingOptimizer, 2: DygraphShardingOptimizerV2}
 
 # ---------------------------------------------------------------- the scaffolding
 
-def caught(fn, *args, **kwargs):
+def caught(fn: Callable, *args, **kwargs) -> tuple[str, str] | None:
     """(type name, text) of what `fn(*args, **kwargs)` raised, or None if it returned."""
     try:
         fn(*args, **kwargs)
@@ -29,29 +31,31 @@ def caught(fn, *args, **kwargs):
     return None
 
 
-def params(model):
+def params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def clear(opt, release=True):
+def clear(opt, release: bool = True) -> None:
     """The documented clear: drop the grads (release on) or zero them (release off)."""
     opt.zero_grad(set_to_none=release)
 
 
-def cases(*axes):
+def cases(*axes: tuple[str, tuple]) -> Iterator[tuple[str, tuple]]:
     """("a=1 b=x", (1, "x")) for each combination of `axes`, each a (name, values) pair."""
     for values in product(*(v for _, v in axes)):
         yield " ".join(f"{n}={v}" for (n, _), v in zip(axes, values)), values
 
 
-def own_strategy(world, version, overlap=True, acc=1, release=True, **config):
+def own_strategy(world: int, version: int, overlap: bool = True, acc: int = 1,
+                 release: bool = True, **config) -> HybridStrategy:
     """Sharding v`version` over all `world` ranks, no pipeline, its own overlap on or off."""
     return HybridStrategy(sharding_degree=world, sharding_configs=DygraphShardingConfig(
         split_param=version == 2, comm_overlap=overlap, accumulate_steps=acc,
         release_gradients=release, **config))
 
 
-def sharded(world, version, overlap, acc, release=True):
+def sharded(world: int, version: int, overlap: bool, acc: int,
+            release: bool = True) -> tuple[nn.Module, object]:
     """(the MLP, sharding v`version` over AdamW(LR)) on every rank."""
     strategy = own_strategy(world, version, overlap, acc, release)
     model = _mlp(SIZES)
@@ -60,7 +64,7 @@ def sharded(world, version, overlap, acc, release=True):
     return model, opt
 
 
-def hooked(params, group, acc, release):
+def hooked(params: Iterable, group, acc: int, release: bool) -> list[FusedCommBuffer]:
     """The bare FusedCommBuffers (all-reduce) of `params`, each grad checked in by its hook."""
     buffers = []
     for i, bucket in assign_group_by_size(list(params)).items():
@@ -71,20 +75,24 @@ def hooked(params, group, acc, release):
     return buffers
 
 
-def micro_batches(rank, world, step, acc):
+def micro_batches(rank: int, world: int, step: int, acc: int) -> list[tuple]:
     """This rank's `acc` micro-batches (x, y) of the step's batch of BATCH rows."""
     x, y = _data(step, BATCH, SIZES[0], SIZES[-1])
     return list(zip(x.chunk(world)[rank].chunk(acc), y.chunk(world)[rank].chunk(acc)))
 
 
-def backward(model, rank, world, step, acc=1, scale=None):
+def backward(model: nn.Module, rank: int, world: int, step: int, acc: int = 1,
+             scale: Callable | None = None) -> None:
     """The backward passes of this rank's micro-batches (each loss / acc, then `scale`)."""
     for x, y in micro_batches(rank, world, step, acc):
         loss = F.mse_loss(model(x), y) / acc
-        (loss if scale is None else scale(loss)).backward()
+        if scale is not None:
+            loss = scale(loss)
+        loss.backward()
 
 
-def train(model, opt, rank, world, steps, release=True, acc=1, clip=None):
+def train(model: nn.Module, opt, rank: int, world: int, steps: Iterable, release: bool = True,
+          acc: int = 1, clip: float | None = None) -> None:
     """Each of `steps`: backward, opt.clip_grad_norm_(clip) if given, step(), the clear."""
     for step in steps:
         backward(model, rank, world, step, acc)
@@ -94,7 +102,8 @@ def train(model, opt, rank, world, steps, release=True, acc=1, clip=None):
         clear(opt, release)
 
 
-def oracle(steps=range(STEPS), clip=None, grads=None):
+def oracle(steps: Iterable = range(STEPS), clip: float | None = None,
+           grads: list | None = None) -> tuple[list, list]:
     """One process, the whole batch, AdamW(LR), torch's clip_grad_norm_(clip) if given, each
     step's grads appended to `grads`. -> (params after the last step, clip's norms)"""
     model = _mlp(SIZES)
@@ -113,7 +122,7 @@ def oracle(steps=range(STEPS), clip=None, grads=None):
 
 # ---------------------------------------------------------------- the loop around sharding
 
-def loop_orders(rank, world):
+def loop_orders(rank: int, world: int) -> tuple[dict, list]:
     """Both loop orders, v1 / v2, own overlap off / on, acc 1 / 4. -> ({case: (per step:
     buffers holding storage and a grad at the forward, every grad after step(); params,
     buffers)}, one process)"""
@@ -136,7 +145,7 @@ def loop_orders(rank, world):
     return out, oracle()[0]
 
 
-def clip_grad_norm(rank, world):
+def clip_grad_norm(rank: int, world: int) -> tuple[dict, dict]:
     """opt.clip_grad_norm_(c) before step(), c 0.05 / 100, v1 / v2, overlap, acc 1 / 4.
     -> ({case: (params, norms)}, {c: one process's (params, norms)})"""
     out = {}
@@ -153,7 +162,7 @@ def clip_grad_norm(rank, world):
     return out, {clip: oracle(clip=clip) for clip in (0.05, 100.0)}
 
 
-def clip_grad_norm_misuse(rank, world):
+def clip_grad_norm_misuse(rank: int, world: int) -> bool:
     """clip_grad_norm_ misused four ways raises on every rank; the optimizer steps after."""
     model, opt = sharded(world, 2, True, 1)
     backward(model, rank, world, 0)
@@ -177,7 +186,7 @@ def clip_grad_norm_misuse(rank, world):
     return True
 
 
-def setup_mismatch(rank, world):
+def setup_mismatch(rank: int, world: int) -> tuple[list, list]:
     """Ranks building the optimizer otherwise; models seeded apart; add_param_group under
     own overlap. -> ([(what differs, the error's text)], the params at the start)"""
     first, adamw = rank == 0, torch.optim.AdamW
@@ -206,7 +215,7 @@ def setup_mismatch(rank, world):
     return messages, start
 
 
-def torch_clip_in_flight(rank, world):
+def torch_clip_in_flight(rank: int, world: int) -> tuple[dict, list]:
     """torch's clip before step() under own overlap, then training on.
     -> ({version: (the error's text, params)}, one process)"""
     out = {}
@@ -222,7 +231,7 @@ def torch_clip_in_flight(rank, world):
     return out, oracle()[0]
 
 
-def unused_on_one_rank(rank, world):
+def unused_on_one_rank(rank: int, world: int) -> dict:
     """Own overlap, 3 buckets: rank 1 skips the branch whose bucket fires first on rank 0.
     -> {version: (the error's text up to its rank's part, params after a good step)}"""
     out = {}

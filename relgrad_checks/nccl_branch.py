@@ -105,7 +105,7 @@ def _train_own(hcg, version, strategy, bf16, steps=3, batch=24):
     return traj
 
 
-def own_buffers(rank, world):
+def own_buffers(rank: int, world: int) -> dict:
     """No pipeline, v2 (fp32, bf16 + main grads, overlap on / off, acc 1 / 2, each release)
     and v1: NCCL's path bitwise gloo's. -> {version: cases compared}"""
     hcg = HybridCommunicateGroup(own_strategy(world, 1, release=False))
@@ -168,7 +168,7 @@ def _train_pipe(hcg, version, strategy, bf16, steps=2, mbs=2):
     return traj, len(list(model.parameters()))
 
 
-def pipeline_sharding(rank, world):
+def pipeline_sharding(rank: int, world: int) -> dict:
     """pp 2 x sharding 2, v2 (fp32, bf16 + main grads, each release) and v1: NCCL's path
     bitwise gloo's, every p2p batched. -> {version: cases compared}"""
     hcg, compared, seen = None, Counter(), {"unbatched": [], "batches": 0}
@@ -193,7 +193,7 @@ def pipeline_sharding(rank, world):
 class _FakeWork:
     """A work whose `wait(timeout)` records the timeout and raises `error`."""
 
-    def __init__(self, error):
+    def __init__(self, error: Exception) -> None:
         self.error, self.timeouts = error, []
 
     def wait(self, timeout=None):
@@ -222,7 +222,7 @@ def _p2p_timeouts(model, other):
     return texts
 
 
-def timeouts_any_backend(rank, world):
+def timeouts_any_backend(rank: int, world: int) -> list[str]:
     """pp 2, groups' timeout 13 s: p2p and entry-check waits get 13 s; timeouts end in
     PipelineStageTimeout. -> the three texts"""
     st = _strategy(pp=2)
@@ -249,7 +249,7 @@ def timeouts_any_backend(rank, world):
     return texts
 
 
-def device_agreement(rank, world):
+def device_agreement(rank: int, world: int) -> str | None:
     """The device rule agreed through the store, a problem on the last rank. -> its text"""
     rule = f"DygraphShardingOptimizerV2: {SET_DEVICE_FIX}"
     agree([None], [(rule, None)], via_store=True)
@@ -263,7 +263,7 @@ def device_agreement(rank, world):
     return None
 
 
-def interleave_p2p_batched(rank, world):
+def interleave_p2p_batched(rank: int, world: int) -> int:
     """pp 2, 2 virtual stages, one forward-backward: all p2p batched. -> batches"""
     strategy = _strategy(pp=2, acc=4)
     strategy.pp_configs.num_virtual_pipeline_stages = 2

@@ -39,7 +39,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_recipe(folder, files, source, world, timeout=90, save=True):
+def run_recipe(folder, files: list, source: str, world: int, timeout: float = 90,
+               save: bool = True) -> tuple:
     """Copy `files` into `folder`, write `source` (plus the save line) as recipe.py, run it
     on `world` ranks, killed after `timeout` s. -> (returncodes, None if killed; outputs;
     params by rank or None). RuntimeError with its output if the launcher failed."""
@@ -86,7 +87,7 @@ def _run_spawned(folder, world, timeout, env):
 class _Launcher:
     """This file run as a script (`_serve`): one JSON request a line in, one reply out."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "RELGRAD"))}
         env.update(OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="0")  # read at torch's import
         self._cwd = tempfile.mkdtemp(prefix="relgrad_recipes_")  # sys.path[0] of no recipe
@@ -228,7 +229,7 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
 
 
-def pipeline_model():
+def pipeline_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
                                torch.nn.GELU(), torch.nn.Linear(32, 4))
@@ -239,8 +240,9 @@ def _batch(step, rows):
     return torch.randn(rows, 16, generator=g), torch.randn(rows, 4, generator=g)
 
 
-def reference(model, steps, rows=16, sched=False, clip=None, paddle_clip=None, opt=None,
-              norms=None):
+def reference(model: torch.nn.Module, steps, rows: int = 16, sched: bool = False,
+              clip: float | None = None, paddle_clip: float | None = None, opt=None,
+              norms: list | None = None) -> list:
     """Plain torch on the whole batch: `opt` or AdamW(1e-2), StepLR(2, 0.5) if `sched`,
     torch's clip or Paddle's (norms to `norms`). -> the params after the last step"""
     if opt is None:
@@ -269,7 +271,8 @@ def _add(sums, grads):
     return grads if sums is None else [a + b for a, b in zip(sums, grads)]
 
 
-def main_grad_reference(model, steps, rows, world, acc):
+def main_grad_reference(model: torch.nn.Module, steps, rows: int, world: int,
+                        acc: int) -> list:
     """Recipe (e) in one process: bf16 params, fp32 masters under AdamW(1e-2), each
     replica's fp32 grads summed in order, scaled by 1/world. -> the bf16 params"""
     model.to(torch.bfloat16)

@@ -91,7 +91,7 @@ def _bad_step(model, opt, change, release, run):
 class Wrapped(nn.Module):
     """`layer` run as `mode` says: plain, no_bias, (non_)reentrant under a checkpoint."""
 
-    def __init__(self, layer, mode="plain"):
+    def __init__(self, layer: nn.Module, mode: str = "plain") -> None:
         super().__init__()
         self.layer, self.mode = layer, mode
 
@@ -144,7 +144,7 @@ def _layouts(family, versions=(1, 2), overlaps=(False, True)):
                     sharding_comm_overlap=overlap), CLASSES[version])
 
 
-def lr_on_one_stage(rank, world, family):
+def lr_on_one_stage(rank: int, world: int, family: str) -> dict:
     """The last rank sets its lr 1.25x for batch 1. -> {case: _pipe_recovery's}"""
     def change(model, opt, bad):
         opt.param_groups[0]["lr"] = LR * 1.25 if bad and rank == world - 1 else LR
@@ -159,7 +159,7 @@ def _frozen_bias_layers():
     return layers
 
 
-def unfrozen_on_one_stage(rank, world):
+def unfrozen_on_one_stage(rank: int, world: int) -> dict:
     """v2: a bias frozen at build unfrozen on its stage for batch 1. -> {case: ...}"""
     def change(model, opt, bad):
         if model.stage_id == 1:
@@ -176,7 +176,7 @@ def _wrapped_layers(index):
     return layers
 
 
-def free_in_comm_pipeline(rank, world):
+def free_in_comm_pipeline(rank: int, world: int) -> dict:
     """free_grads_in_comm: the last bias gets no grad on rank 3 in batch 1. -> {case: ...}"""
     def change(model, opt, bad):
         if rank == 3:
@@ -191,7 +191,7 @@ def free_in_comm_pipeline(rank, world):
     return out
 
 
-def reentrant_checkpoint(rank, world):
+def reentrant_checkpoint(rank: int, world: int) -> dict:
     """Stage 0's first Linear under a reentrant checkpoint in batch 1. -> {case: ...}"""
     def change(model, opt, bad):
         if model.stage_id == 0:
@@ -207,7 +207,7 @@ def reentrant_checkpoint(rank, world):
 class Branchy(nn.Module):
     """`head(tanh(a(x))) + branch(x)`; the branch left out while `use_branch` is False."""
 
-    def __init__(self, d_in, d_hidden, d_out, seed=0):
+    def __init__(self, d_in: int, d_hidden: int, d_out: int, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.a, self.head = nn.Linear(d_in, d_hidden), nn.Linear(d_hidden, d_out)
@@ -252,7 +252,7 @@ def _branch_left_out(model, opt, bad):
     model.use_branch = not bad or dist.get_rank() != 1  # rank 1's backward skips it
 
 
-def free_in_comm_own(rank, world, version, case):
+def free_in_comm_own(rank: int, world: int, version: int, case: str) -> tuple:
     """free_grads_in_comm, Branchy(*LARGE): rank 1 leaves the branch out or sets another
     lr. -> _own_recovery's"""
     def other_lr(model, opt, bad):
@@ -264,7 +264,7 @@ def free_in_comm_own(rank, world, version, case):
                              _branch_left_out if case == "branch" else other_lr)
 
 
-def unused_branch_named(rank, world):
+def unused_branch_named(rank: int, world: int) -> dict:
     """Own overlap, acc 2: rank 1 leaves the branch out in step 1. -> {case: ...}"""
     with _short_store_waits():
         return {case: _own_recovery(own_strategy(2, v, acc=ACC, release=r),
@@ -272,7 +272,7 @@ def unused_branch_named(rank, world):
                 for case, (v, r) in _VERSIONS_RELEASES}
 
 
-def frozen_after_build(rank, world):
+def frozen_after_build(rank: int, world: int) -> dict:
     """Own overlap: the branch frozen on every rank for step 1. -> {case: ...}"""
     def freeze(model, opt, bad):
         model.branch.requires_grad_(not bad)
@@ -295,7 +295,7 @@ def _key_counts(step, steps=10):
     return counts
 
 
-def store_keys_own_overlap(rank, world):
+def store_keys_own_overlap(rank: int, world: int) -> dict:
     """Key counts over 10 steps of own overlap and of plain torch. -> {case: counts}"""
     def loop(model, opt, release, reduce=False):
         def step(k):
@@ -312,7 +312,7 @@ def store_keys_own_overlap(rank, world):
     return out
 
 
-def store_keys_train_batch(rank, world):
+def store_keys_train_batch(rank: int, world: int) -> dict:
     """Key counts over 10 train_batch calls of pp 2 x sharding 2. -> {case: counts}"""
     out = {}
     for case, st, cls in _layouts("sharding", overlaps=(True,)):
@@ -327,7 +327,7 @@ def store_keys_train_batch(rank, world):
 
 # ---------------------------------------------------------------- one Parameter in two chunks
 
-def param_in_two_chunks(rank, world):
+def param_in_two_chunks(rank: int, world: int) -> dict:
     """Interleave: one nn.Linear at layers 0 and 4. -> {case: (construction's error,
     a later train_batch's)}"""
     out = {}
@@ -359,15 +359,17 @@ def _lone_layers():
     return [nn.Linear(512, 528), nn.Tanh(), nn.Linear(528, 8), nn.Tanh(), nn.Linear(8, 4)]
 
 
-def lone_weight(rank, world):
+def lone_weight(rank: int, world: int) -> dict:
     """comm_buffer_size_MB=1, own overlap (2 ranks) or pp 2 x sharding 2 (4).
     -> {case: (params, one process summing as the ranks do, bucket sizes)}"""
     out = {}
-    for case, (v, r) in _VERSIONS_RELEASES if world == 2 else ():
-        st = own_strategy(2, v, acc=ACC, release=r, comm_buffer_size_MB=1)
-        out[case] = _own_recovery(st, lambda: nn.Sequential(*_lone_layers()), None, 3, None,
-                                  1e-3)[3:6]
-    for case, st, cls in _layouts("sharding", overlaps=(True,)) if world == 4 else ():
+    if world == 2:
+        for case, (v, r) in _VERSIONS_RELEASES:
+            st = own_strategy(2, v, acc=ACC, release=r, comm_buffer_size_MB=1)
+            out[case] = _own_recovery(st, lambda: nn.Sequential(*_lone_layers()), None, 3,
+                                      None, 1e-3)[3:6]
+        return out
+    for case, st, cls in _layouts("sharding", overlaps=(True,)):
         st.sharding_configs.comm_buffer_size_MB = 1
         out[case] = _pipe_recovery(st, cls, None, _lone_layers, 3, None, 1e-3)[3:6]
     return out

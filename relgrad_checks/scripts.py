@@ -28,7 +28,7 @@ def _timed(fn, *args):
 
 # ---------------------------------------------------------------- zero_grad() at the wrong time
 
-def zero_grad_in_flight(rank, world):
+def zero_grad_in_flight(rank: int, world: int) -> tuple[dict, list]:
     """Own overlap: zero_grad() with collectives in flight, step(), zero_grad(), then
     STEPS steps. -> ({case: (the three errors, params)}, one process)"""
     out = {}
@@ -43,7 +43,7 @@ def zero_grad_in_flight(rank, world):
     return out, oracle()[0]
 
 
-def zero_grad_on_one_rank(rank, world):
+def zero_grad_on_one_rank(rank: int, world: int) -> tuple[dict, list]:
     """No overlap: zero_grad() on rank 1 only, step(); cleared, STEPS steps.
     -> ({case: (step()'s error, params)}, one process)"""
     out = {}
@@ -59,7 +59,7 @@ def zero_grad_on_one_rank(rank, world):
     return out, oracle()[0]
 
 
-def clip_arguments_differ(rank, world):
+def clip_arguments_differ(rank: int, world: int) -> tuple[dict, list]:
     """Rank 1 clips otherwise, invalidly, or steps while rank 0 clips; then both clip at
     0.05. -> ({case: ([(error, seconds)] of the three calls, params)}, one process)"""
     out = {}
@@ -83,7 +83,7 @@ def clip_arguments_differ(rank, world):
 class _Bag(nn.Module):
     """nn.Embedding(10, 4, sparse=...) -> mean over the sequence -> Linear(4, 3)."""
 
-    def __init__(self, sparse):
+    def __init__(self, sparse: bool) -> None:
         super().__init__()
         torch.manual_seed(5)
         self.emb, self.head = nn.Embedding(10, 4, sparse=sparse), nn.Linear(4, 3)
@@ -95,7 +95,7 @@ class _Bag(nn.Module):
 class _EmbMean(nn.Module):
     """A pipeline stage's layer: `wte(tokens).mean(1)` (the embedding named as GPT-2's)."""
 
-    def __init__(self, wte):
+    def __init__(self, wte: nn.Embedding) -> None:
         super().__init__()
         self.wte = wte
 
@@ -121,7 +121,7 @@ def _sparse_oracle(steps, batch=8):
     return params(model)
 
 
-def sparse_grads(rank, world):
+def sparse_grads(rank: int, world: int) -> tuple[dict, list]:
     """nn.Embedding(sparse=True), v1 / v2, own overlap, release, acc 2, 3 AdamW steps.
     -> ({case: params}, one process)"""
     out = {}
@@ -144,7 +144,7 @@ def sparse_grads(rank, world):
 PIPE_SPARSE_CASES = ("sharding v1 overlap", "sharding v2 overlap", "dp overlap", "dp")
 
 
-def sparse_grads_pipeline(rank, world):
+def sparse_grads_pipeline(rank: int, world: int) -> dict:
     """A sparse embedding stage, pp 2 x sharding 2 or x dp 2, 2 AdamW steps.
     -> {(case, release): (this stage's params, one process's)}"""
     out = {}
@@ -170,7 +170,7 @@ def sparse_grads_pipeline(rank, world):
 
 # ---------------------------------------------------------------- batches, stages, ties
 
-def batch_does_not_split(rank, world):
+def batch_does_not_split(rank: int, world: int) -> tuple:
     """pp 1 x dp 2, acc 2: rank 0 gets 3 samples, rank 1 none. -> (error, seconds)"""
     st = HybridStrategy(dp_degree=2, accumulate_steps=2)
     hcg = HybridCommunicateGroup(st, timeout=timedelta(seconds=20))
@@ -190,7 +190,7 @@ def _frozen_layers():
     return built
 
 
-def frozen_stage(rank, world):
+def frozen_stage(rank: int, world: int) -> dict:
     """pp 2 x sharding 2, stage 1's only Linear frozen, 2 SGD steps.
     -> {case: (what training raised, this stage's params, one process's)}"""
     out = {}
@@ -217,7 +217,7 @@ def frozen_stage(rank, world):
 
 
 class _Head(nn.Module):
-    def __init__(self, wte):
+    def __init__(self, wte: nn.Embedding) -> None:
         super().__init__()
         self.lm_head = nn.Linear(4, 10, bias=False)
         self.lm_head.weight = wte.weight  # tied inside the model, as GPT-2's
@@ -232,7 +232,7 @@ def _tied_layers():
     return [_EmbMean(wte), nn.Linear(4, 4), nn.Linear(4, 4), _Head(wte)]
 
 
-def tie_across_stages(rank, world):
+def tie_across_stages(rank: int, world: int) -> tuple:
     """pp 2 with the head's weight the embedding's: built without shared_weights, with it,
     then trained. -> (the three errors)"""
     st = HybridStrategy(pp_degree=2, accumulate_steps=2)
@@ -246,7 +246,7 @@ def tie_across_stages(rank, world):
     return untied, tied, caught(model.train_batch, (tokens, torch.zeros(4, 10)), opt)
 
 
-def incomplete_tied_and_interleaved(rank, world):
+def incomplete_tied_and_interleaved(rank: int, world: int) -> dict:
     """On rank 3 a param gets no grad in micro-batch 1, in a bucket with a tied copy
     or interleaved. -> {case: (error, the next train_batch's error)}"""
     out = {}
@@ -271,7 +271,7 @@ def incomplete_tied_and_interleaved(rank, world):
     return out
 
 
-def direct_call_bad_batch(rank, world):
+def direct_call_bad_batch(rank: int, world: int) -> dict:
     """forward_backward_pipeline called with 3 samples on stage 0, 4 on stage 1, then a
     good call. -> {case: (error, seconds, the good call's error)}"""
     out = {}
@@ -292,7 +292,7 @@ def direct_call_bad_batch(rank, world):
     return out
 
 
-def grad_clip_differs(rank, world):
+def grad_clip_differs(rank: int, world: int) -> dict:
     """Paddle's clip at 1.0 on rank 0, 0.5 on rank 1, to v1 / v2 and to train_batch;
     then one clip. -> {where: error}"""
     clip = ClipGradByGlobalNorm(1.0 if rank == 0 else 0.5)

@@ -23,7 +23,7 @@ from sharding import DygraphShardingOptimizerV2
 class _FailingLoss:
     """MSE, but the second call on global rank `rank` raises (micro-batch 1 of step 1)."""
 
-    def __init__(self, rank):
+    def __init__(self, rank: int) -> None:
         self.rank, self.calls = rank, 0
 
     def __call__(self, out, y):
@@ -34,7 +34,7 @@ class _FailingLoss:
         return F.mse_loss(out, y)
 
 
-def main(layout):
+def main(layout: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     sharding = 2 if layout == "pp2-sharding2-v2" else 1
     st = _strategy(pp=2, sharding=sharding, acc=4, release=True, split_param=sharding > 1,
