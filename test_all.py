@@ -1247,7 +1247,7 @@ def _check_walk_tags(events):
 
 
 def test_walkthrough(ranks):
-    """Check --walkthrough's event order, sums, tags and printout against the code, one process."""
+    """Check that --walkthrough's events, sums, tags and lines match the code and one process."""
     from relgrad_demo import walkthrough as wt
     runs = {}
     for world, layouts in ((2, ["v2", "v2-overlap"]), (4, ["v1", "dp"])):
@@ -1273,7 +1273,9 @@ def test_walkthrough(ranks):
     rows_on = {}
     for layout in ("v1", "v2"):
         rows_on[layout] = {row for e in runs[layout][0]["events"]["on"] for row in e["rows"]}
-    assert 3 in rows_on["v1"] and 3 not in rows_on["v2"] and 11 in rows_on["v2"]
+    assert 3 in rows_on["v1"]
+    assert 3 not in rows_on["v2"]
+    assert 11 in rows_on["v2"]
     readme = (Path(__file__).parent / "README.md").read_text()
     cut = readme.split("Here is `--walkthrough v2`:\n\n```\n", 1)
     assert len(cut) == 2, "the README's excerpt of --walkthrough v2 is not where it was"
@@ -1399,7 +1401,7 @@ def test_cli_timeout_reaches_init_process_group(monkeypatch):
 
 
 def test_cli_help_free_grads_and_step_time_verdict(capsys):
-    """Check --help's --free-grads-in-comm (no default) and that the verdict needs 3 timed steps."""
+    """Check that --help shows --free-grads-in-comm without a default; a verdict needs 3 steps."""
     from relgrad_demo.report import time_ratio
     with pytest.raises(SystemExit):
         cli.parse_args(["--help"])
@@ -1696,7 +1698,7 @@ def test_recipe_without_extras_names_the_folder(tmp_path):
 
 
 def test_plain_torch_grouping_noise():
-    """Check docs/recipes.md's tolerance: regrouped rows move params < 1e-7, autocast > 1e-4."""
+    """Check that regrouped rows move params < 1e-7, autocast > 1e-4 (docs/recipes.md's claim)."""
     def train(groups, autocast=False, clip=None):
         model = recipes._mlp()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -2294,7 +2296,7 @@ _NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
 @_NO_CUDA
 @pytest.mark.parametrize("how, world", [("one-rank", 1), ("shared", 2)])
 def test_gpu_release(how, world):
-    """Check on one GPU (1-rank NCCL, 2 processes on gloo) that off - on is the buffers' bytes."""
+    """Check that on one GPU (1-rank NCCL, 2 processes on gloo) off - on is the buffers' bytes."""
     results = _run_json([sys.executable, "-m", "relgrad_checks.gpu", how])
     assert len(results) == world
     for result in results:  # per rank and kind: between steps and at the eval peak
@@ -2311,7 +2313,7 @@ def test_gpu_release(how, world):
 
 @_NO_CUDA
 def test_gpu_torchrun_one_process():
-    """Check `python relgrad.py` under torchrun on CUDA: on and off bitwise, the grads freed."""
+    """Check that `python relgrad.py` under torchrun on CUDA is bitwise on and off, grads freed."""
     result = _run_json([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "1", "relgrad.py", "--json", "--pp", "1",
                         "--sharding", "1", "--steps", "3", "--layers", "1", "--d-model", "64",

@@ -64,10 +64,10 @@ def sharded(world: int, version: int, overlap: bool, acc: int,
     return model, opt
 
 
-def hooked(params: Iterable, group, acc: int, release: bool) -> list[FusedCommBuffer]:
-    """The bare FusedCommBuffers (all-reduce) of `params`, each grad checked in by its hook."""
+def hooked(weights: Iterable, group, acc: int, release: bool) -> list[FusedCommBuffer]:
+    """The bare FusedCommBuffers (all-reduce) of `weights`, each grad checked in by its hook."""
     buffers = []
-    for i, bucket in assign_group_by_size(list(params)).items():
+    for i, bucket in assign_group_by_size(list(weights)).items():
         buffers.append(FusedCommBuffer(i, bucket, group, acc, HOOK_ACTION.ALL_REDUCE,
                                        release_grads=release))
         for p in bucket:
