@@ -1053,64 +1053,7 @@ def test_peers_dp_agree(ranks):
     peers.print_report(summary)
 
 
-# ---------------------------------------------------------------- checks the sections below share
-
-def _on(ranks, world, fn, *args, timeout=TIMEOUT):
-    """`fn(rank, world, *args)`'s result on each of `world` ranks of the pool, by rank."""
-    results = ranks(world).run(fn, *args, timeout=timeout)
-    assert len(results) == world
-    return results
-
-
-def _by_case(results, world, count=None, keys=None):
-    """{case: [each rank's value]} of `world` ranks' {case: value}: every rank ran the same
-    cases, `count` of them (or exactly `keys`)."""
-    assert len(results) == world and all(r.keys() == results[0].keys() for r in results)
-    if count is not None:
-        assert len(results[0]) == count, results
-    if keys is not None:
-        assert sorted(results[0]) == sorted(keys), results
-    return {case: [r[case] for r in results] for case in results[0]}
-
-
-def _assert_params(got, want, atol=1e-6):
-    """Two lists of params, one non-zero length, each pair of one shape and within `atol`."""
-    assert len(got) == len(want) > 0
-    for g, w in zip(got, want):
-        assert g.shape == w.shape
-        torch.testing.assert_close(g, w, rtol=0, atol=atol)
-
-
-def _moved(params, start, at_least=1e-3):
-    """The run trained: some param moved by more than `at_least` from `start` (a model's)."""
-    if isinstance(start, nn.Module):
-        start = [p.detach() for p in start.parameters()]
-    assert len(params) == len(start) > 0
-    assert max((p - s).abs().max().item() for p, s in zip(params, start)) > at_least
-
-
-def _same_error(seen, world, match):
-    """Every one of `world` ranks raised, the same type, its text holding `match`."""
-    assert len(seen) == world
-    assert all(s is not None for s in seen), f"some rank did not raise: {seen}"
-    assert len({s[0] for s in seen}) == 1, seen
-    for name, text in seen:
-        assert match in text, (name, text)
-
-
-def _same_text(seen, world, *words):
-    """Every rank raised the same ValueError, one text, holding each of `words`."""
-    _same_error(seen, world, words[0])
-    assert seen[0][0] == "ValueError" and len({text for _, text in seen}) == 1, seen
-    for word in words[1:]:
-        assert word in seen[0][1], (word, seen[0][1])
-
-
-def _no_launch(*args, **kwargs):
-    raise AssertionError("ranks were started for a command line that should have failed")
-
-
-# ---------------------------------------------------------------- the demo: --walkthrough
+# ---------------------------------------------------------------- --walkthrough
 
 def _tag_names(path):
     """The names a walkthrough tag may give in `path`: `f` for any def, `Class.method`."""
@@ -1298,6 +1241,63 @@ def test_walkthrough_flags(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             cli.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- checks the sections below share
+
+def _on(ranks, world, fn, *args, timeout=TIMEOUT):
+    """`fn(rank, world, *args)`'s result on each of `world` ranks of the pool, by rank."""
+    results = ranks(world).run(fn, *args, timeout=timeout)
+    assert len(results) == world
+    return results
+
+
+def _by_case(results, world, count=None, keys=None):
+    """{case: [each rank's value]} of `world` ranks' {case: value}: every rank ran the same
+    cases, `count` of them (or exactly `keys`)."""
+    assert len(results) == world and all(r.keys() == results[0].keys() for r in results)
+    if count is not None:
+        assert len(results[0]) == count, results
+    if keys is not None:
+        assert sorted(results[0]) == sorted(keys), results
+    return {case: [r[case] for r in results] for case in results[0]}
+
+
+def _assert_params(got, want, atol=1e-6):
+    """Two lists of params, one non-zero length, each pair of one shape and within `atol`."""
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=0, atol=atol)
+
+
+def _moved(params, start, at_least=1e-3):
+    """The run trained: some param moved by more than `at_least` from `start` (a model's)."""
+    if isinstance(start, nn.Module):
+        start = [p.detach() for p in start.parameters()]
+    assert len(params) == len(start) > 0
+    assert max((p - s).abs().max().item() for p, s in zip(params, start)) > at_least
+
+
+def _same_error(seen, world, match):
+    """Every one of `world` ranks raised, the same type, its text holding `match`."""
+    assert len(seen) == world
+    assert all(s is not None for s in seen), f"some rank did not raise: {seen}"
+    assert len({s[0] for s in seen}) == 1, seen
+    for name, text in seen:
+        assert match in text, (name, text)
+
+
+def _same_text(seen, world, *words):
+    """Every rank raised the same ValueError, one text, holding each of `words`."""
+    _same_error(seen, world, words[0])
+    assert seen[0][0] == "ValueError" and len({text for _, text in seen}) == 1, seen
+    for word in words[1:]:
+        assert word in seen[0][1], (word, seen[0][1])
+
+
+def _no_launch(*args, **kwargs):
+    raise AssertionError("ranks were started for a command line that should have failed")
 
 
 # ---------------------------------------------------------------- the demo's command line
