@@ -1,55 +1,18 @@
-"""Rank-side checks of more habits DDP users bring (habits.py's sequel): BatchNorm under recipe
-(a) against DDP itself, torch's clip and GradScaler on a ZeRO-1 optimizer, train.py's loop order,
-zero_grad()'s default with release off, a wrong comm_group under pp x dp, acc_steps, an expert
-no token reaches and a frozen BatchNorm under the pipeline, and the grads a step pre-hook or
-finish_grad_sync() sees. Each returns what every rank saw for the test to compare."""
-from itertools import product
-
+"""Rank-side checks of the loops people already run: recipe (a) against DDP, torch's clip and
+GradScaler on ZeRO-1, train.py's order, zero_grad()'s default, the bare buffer's groups, the
+pipeline's experts and modes, and the grads a step pre-hook sees."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from comm_buffer import HOOK_ACTION, FusedCommBuffer, assign_group_by_size, bw_hook_func
+from comm_buffer import HOOK_ACTION, FusedCommBuffer
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
 from relgrad_checks.common import _data, _mlp, _mse, _strategy
-from relgrad_checks.failures import _caught
+from relgrad_checks.loops import (LR, SIZES, STEPS, backward, caught, cases, clear, hooked,
+                                  micro_batches, oracle, params, sharded, train)
 from relgrad_extras.checkpoint import local_slices
-from relgrad_checks.habits import _oracle_from
-from relgrad_checks.loops import BATCH, SIZES, STEPS, _micro_batches, _oracle, _sharded
-
-LR = 1e-2
-
-
-def _params(model):
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def _clear(opt, release):
-    """The documented clear: drop the grads (release on) or zero them (release off)."""
-    opt.zero_grad() if release else opt.zero_grad(set_to_none=False)
-
-
-def _backward(model, rank, world, step, acc, scale=lambda loss: loss):
-    for x, y in _micro_batches(rank, world, step, acc):
-        scale(F.mse_loss(model(x), y) / acc).backward()
-
-
-def _train(model, opt, rank, world, steps, release, acc=1, clip=None):
-    for step in steps:
-        _backward(model, rank, world, step, acc)
-        if clip is not None:
-            opt.clip_grad_norm_(clip)
-        opt.step()
-        _clear(opt, release)
-
-
-def _cases(*axes):
-    """(name, values) for each combination of `axes`, each a (name, values) pair."""
-    for values in product(*(v for _, v in axes)):
-        yield " ".join(f"{n}={v}" for (n, _), v in zip(axes, values)), values
-
 
 # ---------------------------------------------------------------- recipe (a) texts, against DDP
 
@@ -102,18 +65,16 @@ def _edit(source, *pairs):
     return source
 
 
-def bn_recipe(source, release):
-    """Recipe (a)'s text as written, with a BatchNorm1d model, RELEASE = `release`, and the
-    tail: save params and buffers, then an eval pass after broadcast_buffers(model, None)."""
+def bn_recipe(source: str, release: bool) -> str:
+    """Recipe (a) with a BatchNorm1d model, RELEASE = `release`, saving its state and eval."""
     tail = _TAIL.format(imports="from comm_buffer import broadcast_buffers\n",
                         sync="broadcast_buffers(model, None)", forward="model")
     return _edit(source, (_MLP, "model = " + BN_MODEL), (", 4, True  #", f", 4, {release}  #"),
                  (_END, tail + _END))
 
 
-def zero_grad_default_recipe(source):
-    """Recipe (a)'s text with RELEASE = False and `opt.zero_grad()` (set_to_none=True); after
-    each step's backward it notes whether every grad is its slot's view (saved as VIEWS)."""
+def zero_grad_default_recipe(source: str) -> str:
+    """Recipe (a) with release off and zero_grad() to None, saving VIEWS (grad is slot)."""
     check = ("    VIEWS.append([p.grad.data_ptr() == b.grad_storage[b.param2offset[p]:]"
              ".data_ptr() for b in buffers for p in b.params])\n")
     clip = "    torch.nn.utils.clip_grad_norm_("
@@ -126,38 +87,33 @@ def zero_grad_default_recipe(source):
 
 # ---------------------------------------------------------------- the sharding optimizers
 
-def torch_clip_no_overlap(rank, world):
-    """torch's clip_grad_norm_(model.parameters(), 1.0) between backward and step(), v1 / v2
-    without overlap, release off / on: step()'s error, params unchanged; cleared, training on
-    with opt.clip_grad_norm_(1.0). Returns ({case: (error, unchanged, params)}, one process
-    clipping with torch)."""
+def torch_clip_no_overlap(rank: int, world: int) -> tuple[dict, list]:
+    """torch's clip on the model before step(), v1 / v2, no overlap; then opt's clip.
+    -> ({case: (error, params unchanged, params)}, one process clipping with torch)"""
     out = {}
-    for case, (version, release) in _cases(("v", (1, 2)), ("release", (False, True))):
-        model, opt = _sharded(world, version, False, 1, release)
-        start = _params(model)
-        _backward(model, rank, world, 0, 1)
+    for case, (version, release) in cases(("v", (1, 2)), ("release", (False, True))):
+        model, opt = sharded(world, version, False, 1, release)
+        start = params(model)
+        backward(model, rank, world, 0)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        seen = _caught(opt.step)
-        unchanged = all(map(torch.equal, start, _params(model)))
-        _clear(opt, release)
-        _train(model, opt, rank, world, range(STEPS), release, clip=1.0)
-        out[case] = (seen, unchanged, _params(model))
-    return out, _oracle(STEPS, clip=1.0)[0]
+        seen = caught(opt.step)
+        unchanged = all(map(torch.equal, start, params(model)))
+        clear(opt, release)
+        train(model, opt, rank, world, range(STEPS), release, clip=1.0)
+        out[case] = (seen, unchanged, params(model))
+    return out, oracle(clip=1.0)[0]
 
 
-def grad_scaler(rank, world):
-    """torch.amp.GradScaler("cpu") driving v1 / v2 (own overlap off / on, release off / on, acc
-    2), an inf put into one grad on rank 1 after backward; train.py's --amp --clip-grad-norm order
-    (unscale_, opt.clip_grad_norm_, step, update) or scaler.step right after backward; then
-    cleared, STEPS more steps without the scaler. Returns ({case: (error, params unchanged,
-    the later steps' error, params)}, one process over those steps)."""
+def grad_scaler(rank: int, world: int) -> tuple[dict, list]:
+    """GradScaler on v1 / v2, an inf on rank 1, unscale_ + clip or not; then STEPS steps
+    without it. -> ({case: (error, params unchanged, later error, params)}, one process)"""
     out = {}
-    for case, (version, overlap, release, unscale) in _cases(
+    for case, (version, overlap, release, unscale) in cases(
             ("v", (1, 2)), ("overlap", (False, True)), ("release", (False, True)),
             ("unscale_", (True, False))):
-        model, opt = _sharded(world, version, overlap, 2, release)
-        scaler, start = torch.amp.GradScaler("cpu"), _params(model)
-        _backward(model, rank, world, 0, 2, scaler.scale)
+        model, opt = sharded(world, version, overlap, 2, release)
+        scaler, start = torch.amp.GradScaler("cpu"), params(model)
+        backward(model, rank, world, 0, 2, scaler.scale)
         if rank == 1:  # an overflow backward made (not a change in place: .data)
             next(model.parameters()).grad.data[0, 0] = float("inf")
 
@@ -168,36 +124,34 @@ def grad_scaler(rank, world):
             scaler.step(opt)
             scaler.update()
 
-        seen = _caught(amp_step)
-        after = _params(model)
-        _clear(opt, release)
-        later = _caught(_train, model, opt, rank, world, range(1, STEPS + 1), release, 2)
-        out[case] = (seen, all(map(torch.equal, start, after)), later, _params(model))
-    return out, _oracle_from(1, STEPS + 1)
+        seen = caught(amp_step)
+        unchanged = all(map(torch.equal, start, params(model)))
+        clear(opt, release)
+        later = caught(train, model, opt, rank, world, range(1, STEPS + 1), release, 2)
+        out[case] = (seen, unchanged, later, params(model))
+    return out, oracle(range(1, STEPS + 1))[0]
 
 
-def _held(model, opt):
-    """(a fused buffer holds storage, some param has a grad)."""
-    return (any(b.grad_storage is not None for b in opt.comm_buffers),
-            any(p.grad is not None for p in model.parameters()))
-
-
-def train_py_order(rank, world):
-    """train.py's order (forward, zero_grad, backward, step) with release on, v1 / v2, own
-    overlap off / on, with and without an extra zero_grad() after step(); an eval forward
-    between steps. Returns ({case: ([(training, _held) at each forward's start], number of
-    buffers, params)}, one process)."""
+def train_py_order(rank: int, world: int) -> tuple[dict, list]:
+    """train.py's order (zero_grad after the forward), with or without one more after
+    step(). -> ({case: ([(training, (buffer held, grad held))] per forward, buffers,
+    params)}, one process)"""
     out = {}
-    for case, (version, overlap, extra) in _cases(("v", (1, 2)), ("overlap", (False, True)),
-                                                   ("extra", (True, False))):
-        model, opt = _sharded(world, version, overlap, 1, True)
+    for case, (version, overlap, extra) in cases(("v", (1, 2)), ("overlap", (False, True)),
+                                                  ("extra", (True, False))):
+        model, opt = sharded(world, version, overlap, 1, True)
         seen = []
-        model.register_forward_pre_hook(lambda m, args: seen.append((m.training,
-                                                                     _held(model, opt))))
+
+        def note(module, args):
+            held = any(b.grad_storage is not None for b in opt.comm_buffers)
+            grads = any(p.grad is not None for p in module.parameters())
+            seen.append((module.training, (held, grads)))
+
+        model.register_forward_pre_hook(note)
         x_eval = _data(100 + rank, 4, SIZES[0], SIZES[-1])[0]
         for step in range(STEPS):
             model.train()
-            for x, y in _micro_batches(rank, world, step, 1):
+            for x, y in micro_batches(rank, world, step, 1):
                 loss = F.mse_loss(model(x), y)
                 opt.zero_grad()  # train.py's: after the forward
                 loss.backward()
@@ -207,71 +161,69 @@ def train_py_order(rank, world):
             model.eval()
             with torch.no_grad():
                 model(x_eval)
-        out[case] = (seen, len(opt.comm_buffers), _params(model))
-    return out, _oracle(STEPS)[0]
+        out[case] = (seen, len(opt.comm_buffers), params(model))
+    return out, oracle()[0]
+
+
+def zero_grad_default(rank: int, world: int) -> tuple[dict, list]:
+    """zero_grad() to None after each step: v1 trains (grads views again under overlap),
+    v2 with release off refuses. -> ({case: (error, views, params)}, one process)"""
+    out = {}
+    for case, (version, overlap, release) in cases(("v", (1, 2)), ("overlap", (False, True)),
+                                                    ("release", (False, True))):
+        if version == 2 and release:
+            continue  # v2 with release on: recipe (b)'s own loop
+        model, opt = sharded(world, version, overlap, 1, release)
+        views, seen = [], None
+        for step in range(STEPS):
+            backward(model, rank, world, step)
+            views.append(_views(opt) if overlap and not release else None)
+            opt.step()
+            seen = seen or caught(opt.zero_grad)
+            if seen:
+                opt.zero_grad(set_to_none=False)
+        out[case] = (seen, views, params(model))
+    return out, oracle()[0]
 
 
 def _views(opt):
-    """True if every grad of `opt`'s fused buffers is its slot's view."""
+    """Whether every grad of `opt`'s fused buffers is its slot's view."""
     return all(p.grad is not None and p.grad.data_ptr() == b._slot(p).data_ptr()
                for b in opt.comm_buffers for p in b.params)
 
 
-def zero_grad_default(rank, world):
-    """torch's zero_grad() (set_to_none=True) after each step: v1 (own overlap off / on,
-    release off / on), noting after each backward under overlap whether each grad is its slot's
-    view; v2 with release off (overlap off / on): zero_grad()'s error, then
-    zero_grad(set_to_none=False) and training on. Returns ({case: (error, views, params)},
-    one process)."""
-    out = {}
-    for case, (version, overlap, release) in _cases(("v", (1, 2)), ("overlap", (False, True)),
-                                                     ("release", (False, True))):
-        if version == 2 and release:
-            continue  # v2 with release on: recipe (b)'s own loop
-        model, opt = _sharded(world, version, overlap, 1, release)
-        views, seen = [], None
-        for step in range(STEPS):
-            _backward(model, rank, world, step, 1)
-            views.append(_views(opt) if overlap and not release else None)
-            opt.step()
-            seen = seen or _caught(opt.zero_grad)
-            if seen:
-                opt.zero_grad(set_to_none=False)
-        out[case] = (seen, views, _params(model))
-    return out, _oracle(STEPS)[0]
-
-
 def _grads_seen(model, opt):
-    """The grads of what this rank steps: [(model param index, start, grad)]: v1 the owned
-    params' whole grads (start None), v2 the slice params' grads without padding."""
-    params = list(model.parameters())
-    if not hasattr(opt, "_slice_params"):
-        index = {id(p): i for i, p in enumerate(params)}
-        return [(index[id(p)], None, p.grad.clone()) for g in opt.param_groups
-                for p in g["params"]]
+    """[(param index, start, grad)] of what this rank steps: v1 whole grads, v2 its slices."""
     stepped = {id(p) for g in opt.param_groups for p in g["params"]}
-    slices = list(map(local_slices(opt).get, params))  # per param: (start in it, length) or None
-    return [(i, slices[i][0], s.grad[: slices[i][1]].clone())
-            for i, p in enumerate(params) if id(s := opt._slice_params[p]) in stepped
-            and s.grad is not None]
+    seen = []
+    if not hasattr(opt, "_slice_params"):  # v1
+        for i, p in enumerate(model.parameters()):
+            if id(p) in stepped:
+                seen.append((i, None, p.grad.clone()))
+        return seen
+    slices = local_slices(opt)  # per param: (start in it, length) or None
+    for i, p in enumerate(model.parameters()):
+        piece = opt._slice_params[p]
+        if id(piece) in stepped and piece.grad is not None:
+            start, length = slices[p]
+            seen.append((i, start, piece.grad[:length].clone()))
+    return seen
 
 
-def grads_final(rank, world):
-    """Sharding's own overlap, v1 / v2, release off / on, acc 1 / 2: the grads a step
-    pre-hook sees ("hook"), or right after opt.finish_grad_sync() ("finish"; also after the
-    step() that follows). Returns ({case: (per step _grads_seen, per step (finish) the grads
-    after step() equal bitwise, params)}, one process's (mean grads per step, params))."""
+def grads_final(rank: int, world: int) -> tuple[dict, tuple]:
+    """The grads a step pre-hook or finish_grad_sync() sees, own overlap. -> ({case: (per
+    step _grads_seen, per step kept bitwise by step(), params)}, one process's (grads, params))"""
     out = {}
-    for case, (version, release, acc, how) in _cases(
+    for case, (version, release, acc, how) in cases(
             ("v", (1, 2)), ("release", (False, True)), ("acc", (1, 2)),
             ("how", ("hook", "finish"))):
-        model, opt = _sharded(world, version, True, acc, release)
+        model, opt = sharded(world, version, True, acc, release)
         seen, kept = [], []
         if how == "hook":
             opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(
                 _grads_seen(model, opt)))
         for step in range(STEPS):
-            _backward(model, rank, world, step, acc)
+            backward(model, rank, world, step, acc)
             if how == "finish":
                 opt.finish_grad_sync()
                 seen.append(_grads_seen(model, opt))
@@ -280,77 +232,64 @@ def grads_final(rank, world):
                 after = _grads_seen(model, opt)
                 kept.append(len(after) == len(seen[-1]) > 0 and all(
                     torch.equal(a[2], b[2]) for a, b in zip(after, seen[-1])))
-            _clear(opt, release)
-        out[case] = (seen, kept, _params(model))
-    model, grads = _mlp(SIZES), []
-    plain = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        x, y = _data(step, BATCH, SIZES[0], SIZES[-1])
-        F.mse_loss(model(x), y).backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-        plain.step()
-        plain.zero_grad()
-    return out, (grads, _params(model))
+            clear(opt, release)
+        out[case] = (seen, kept, params(model))
+    grads = []
+    return out, (grads, oracle(grads=grads)[0])
 
 
 # ---------------------------------------------------------------- the bare buffer
 
-def _hooked(params, group, acc, release):
-    buffers = [FusedCommBuffer(i, bucket, group, acc, HOOK_ACTION.ALL_REDUCE,
-                               release_grads=release)
-               for i, bucket in assign_group_by_size(list(params)).items()]
-    for buffer in buffers:
-        for p in buffer.params:
-            p.register_post_accumulate_grad_hook(bw_hook_func(buffer, p))
-    return buffers
-
-
-def wrong_group(rank, world):
-    """4 ranks, stage = rank // 2: stage 0 holds Linear(6, 8) (params (8, 6), (8,)), stage 1
-    Linear(8, 6) ("shapes") or Linear(6, 8) in bf16 ("dtype"), release off / on: the error of
-    a bare FusedCommBuffer built with comm_group=None; then with the stage's dp group, one SGD
-    step on rank-specific data. Returns {case: (error, params, one process's)}."""
+def wrong_group(rank: int, world: int) -> dict:
+    """A bare buffer built with comm_group=None over stages of other shapes or dtype, then
+    with each stage's group. -> {case: (error, params, one process's)}"""
     stage, out = rank // 2, {}
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    for case, (kind, release) in _cases(("kind", ("shapes", "dtype")),
-                                        ("release", (False, True))):
+    for case, (kind, release) in cases(("kind", ("shapes", "dtype")),
+                                       ("release", (False, True))):
         shape = (8, 6) if stage == 1 and kind == "shapes" else (6, 8)
         dtype = torch.bfloat16 if stage == 1 and kind == "dtype" else torch.float32
         torch.manual_seed(0)
         layer = nn.Linear(*shape).to(dtype)
-        seen = _caught(lambda: FusedCommBuffer(0, list(layer.parameters()), None, 1,
-                                               HOOK_ACTION.ALL_REDUCE, release_grads=release))
-        buffers = _hooked(layer.parameters(), groups[stage], 1, release)
+        seen = caught(FusedCommBuffer, 0, list(layer.parameters()), None, 1,
+                      HOOK_ACTION.ALL_REDUCE, release_grads=release)
+        buffers = hooked(layer.parameters(), groups[stage], 1, release)
         opt = torch.optim.SGD(layer.parameters(), lr=0.1)
         x, y = _data(stage, 8, *shape)
         F.mse_loss(layer(x.chunk(2)[rank % 2].to(dtype)).float(), y.chunk(2)[rank % 2]).backward()
         for buffer in buffers:
             buffer.scale_grads()
         opt.step()
-        torch.manual_seed(0)
-        one = nn.Linear(*shape).to(dtype)  # one process: the mean of the two replicas' grads
-        grads = []
-        for xr, yr in zip(x.chunk(2), y.chunk(2)):
-            grads.append(torch.autograd.grad(F.mse_loss(one(xr.to(dtype)).float(), yr),
-                                             list(one.parameters())))
-        with torch.no_grad():
-            for p, a, b in zip(one.parameters(), *grads):
-                p.add_((a * 0.5 + b * 0.5) if dtype != torch.float32 else (a + b) * 0.5,
-                       alpha=-0.1)  # 16 bits: halved before the sum, as the buffer does
-        out[case] = (seen, _params(layer), _params(one))
+        out[case] = (seen, params(layer), _mean_step(shape, dtype, x, y))
     return out
 
 
-def acc_steps_message(rank, world):
-    """A bare FusedCommBuffer built with acc_steps=1, 4 micro-batches per step, release off /
-    on. Returns {release: the error of the step's backwards}."""
+def _mean_step(shape, dtype, x, y):
+    """One process: one SGD(0.1) step of Linear(*shape) on the two replicas' mean grad."""
+    torch.manual_seed(0)
+    one = nn.Linear(*shape).to(dtype)
+    grads = []
+    for xr, yr in zip(x.chunk(2), y.chunk(2)):
+        loss = F.mse_loss(one(xr.to(dtype)).float(), yr)
+        grads.append(torch.autograd.grad(loss, list(one.parameters())))
+    with torch.no_grad():
+        for p, a, b in zip(one.parameters(), *grads):
+            if dtype == torch.float32:
+                p.add_((a + b) * 0.5, alpha=-0.1)
+            else:
+                p.add_(a * 0.5 + b * 0.5, alpha=-0.1)
+    return params(one)
+
+
+def acc_steps_message(rank: int, world: int) -> dict:
+    """A bare buffer with acc_steps=1 under 4 micro-batches. -> {release: error}"""
     out = {}
     for release in (False, True):
         model = _mlp(SIZES)
-        buffers = _hooked(model.parameters(), None, 1, release)
-        out[release] = _caught(_backward, model, rank, world, 0, 4)
+        buffers = hooked(model.parameters(), None, 1, release)
+        out[release] = caught(backward, model, rank, world, 0, 4)
         for buffer in buffers:  # wait for the first micro-batch's all-reduce (and refuse)
-            _caught(buffer.scale_grads)
+            caught(buffer.scale_grads)
     return out
 
 
@@ -359,7 +298,7 @@ def acc_steps_message(rank, world):
 class Expert(nn.Module):
     """`x + expert(x)` while `active` (some token routed to it), else `x`: no grad reaches it."""
 
-    def __init__(self, d):
+    def __init__(self, d: int) -> None:
         super().__init__()
         self.expert, self.active = nn.Linear(d, d), True
 
@@ -378,8 +317,7 @@ def _bn_layers():
 
 
 def _pipeline(world, release, layers, steps, make_opt, before_step=lambda step: None):
-    """pp 2 (x dp 2 on 4 ranks, no overlap), acc 2 of 2 rows: `steps` train_batch calls.
-    Returns (model, this replica's data of a step, the stage's first param index)."""
+    """pp 2 (x dp 2 on 4 ranks), acc 2: `steps` train_batch calls. -> (model, batch, first index)"""
     st = _strategy(dp=world // 2, pp=2, acc=2, release=release)
     hcg = HybridCommunicateGroup(st)
     model = PipelineParallel(layers, hcg, st, _mse)
@@ -404,7 +342,7 @@ def _one_process(layers, steps, rows, make_opt, before_step=lambda step: None):
         F.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    return _params(model)
+    return params(model)
 
 
 def _routed(layers):
@@ -412,25 +350,22 @@ def _routed(layers):
     return lambda step: setattr(layers[2], "active", step % 2 == 0)
 
 
-def moe_expert(rank, world):
-    """pp 2 (x dp 2 on 4 ranks), plain AdamW, release off / on, 4 steps: stage 1's expert
-    gets tokens in even steps only. Returns ({release: this stage's params}, one process's
-    (zero_grad() to None) for this stage)."""
+def moe_expert(rank: int, world: int) -> tuple[dict, list]:
+    """pp 2 (x dp 2), AdamW: stage 1's expert gets tokens in even steps only.
+    -> ({release: this stage's params}, one process's)"""
     adamw, out = (lambda ps: torch.optim.AdamW(ps, lr=LR)), {}
     for release in (False, True):
         layers = _moe_layers()
         model, _, first = _pipeline(world, release, layers, range(4), adamw, _routed(layers))
-        out[release] = _params(model)
+        out[release] = params(model)
     layers = _moe_layers()
     want = _one_process(layers, range(4), world // 2 * 4, adamw, _routed(layers))
     return out, want[first: first + len(out[True])]
 
 
-def frozen_batchnorm(rank, world):
-    """pp 2, plain SGD, release off / on: stage 0's BatchNorm1d set to eval() before training,
-    3 train_batch calls, then eval_batch in train mode, and again after model.eval(). Returns
-    ({release: ([(model.training, bn.training)] after each of the three, bn's buffers changed,
-    this stage's params)}, one process's for this stage)."""
+def frozen_batchnorm(rank: int, world: int) -> tuple[dict, list]:
+    """pp 2, SGD: a BatchNorm1d set to eval(), then train_batch and eval_batch.
+    -> ({release: ([(training, bn.training)], stats changed, params)}, one process's)"""
     sgd, out = (lambda ps: torch.optim.SGD(ps, lr=0.1)), {}
     for release in (False, True):
         layers = _bn_layers()
@@ -442,7 +377,7 @@ def frozen_batchnorm(rank, world):
             evaluate()
             model.eval_batch(batch(3))
             modes.append((model.training, bn.training))
-        out[release] = (modes, not all(map(torch.equal, stats, bn.buffers())), _params(model))
+        out[release] = (modes, not all(map(torch.equal, stats, bn.buffers())), params(model))
     layers = _bn_layers()
     layers[1].eval()
     want = _one_process(layers, range(3), 4, sgd)

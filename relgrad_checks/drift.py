@@ -1,10 +1,10 @@
 """What the README, docs/, `--help` and the core modules' docstrings cite, read from the files.
 
-The drift tests check each citation against the code: a path (relative to the repo root; a
-markdown link relative to its document), a `module.name` (imported, then `getattr`), a
-`file.py: Class.method` (the file's module imported, the name looked up), and each line range
-of the README's hunk table (the method's lines as `ast` sees them, holding its `Seed hunk`
-mark). Pure file reading, no process is started.
+The drift tests check each citation against the code: a path (from the repo root; a markdown
+link from its document), a `module.name` (imported, then `getattr`), a `file.py: Class.method`,
+each line range of the README's hunk table (the method's lines as `ast` sees them, holding its
+`Seed hunk` mark), and that every ```python block is a recipe a test runs or says why not.
+Pure file reading: no process is started. `python -m relgrad_checks.drift` fixes the ranges.
 """
 import ast
 import functools
@@ -33,13 +33,42 @@ _CONFIG = re.compile(r"^(pp_configs|sharding_configs)\.(\w+)(?:=\S+)?$")
 _CONFIGS = {"pp_configs": "PpConfig", "sharding_configs": "DygraphShardingConfig"}
 
 
-def docs():
+def docs() -> list:
     """README.md and docs/*.md, relative to the repo root."""
     return [Path("README.md")] + sorted(p.relative_to(REPO) for p in (REPO / "docs").glob("*.md"))
 
 
-def core_docstrings():
-    """{"file.py:line": docstring} for every module, class and function docstring of the core."""
+_TAG = re.compile(r"<!-- recipe (\w+): ([^>]*?) -->\n```python\n(.*?)```", re.S)
+_FENCE = re.compile(r"^```python\n", re.M)
+_MARK = re.compile(r"<!-- (recipe \w+: [^>]*?|not run: [^>]+?) -->\n$")
+
+
+def readme_recipes() -> dict:
+    """{name: (files to copy, source)} of every tagged recipe; ValueError on a name twice."""
+    found = {}
+    for doc in docs():
+        for m in _TAG.finditer((REPO / doc).read_text()):
+            if m.group(1) in found:
+                raise ValueError(f"recipe {m.group(1)!r} is tagged twice (again in {doc})")
+            found[m.group(1)] = (m.group(2).split(), m.group(3))
+    return found
+
+
+def fenced_python_blocks() -> list:
+    """[(doc, line, the marker above it or None)] of every ```python block: a test runs it when
+    the marker is `<!-- recipe NAME: files -->`; `<!-- not run: reason -->` says why not."""
+    blocks = []
+    for doc in docs():
+        text = (REPO / doc).read_text()
+        for m in _FENCE.finditer(text):
+            before = text[:m.start()]
+            mark = _MARK.search(before[before.rstrip("\n").rfind("\n") + 1:])
+            blocks.append((str(doc), before.count("\n") + 1, mark and mark.group(1)))
+    return blocks
+
+
+def core_docstrings() -> dict:
+    """{"file.py:line": docstring} of every module, class and function of the core."""
     found = {}
     for name in CORE:
         tree = ast.parse((REPO / name).read_text())
@@ -51,10 +80,9 @@ def core_docstrings():
     return found
 
 
-def citations(text, bare=False):
-    """(paths, dotted names, (file, name) pairs) that `text` cites in backticks, links and
-    `file.py: name` tags (as the walkthrough's `[file.py: function]`); with `bare` (plain text
-    such as `--help`), also every word that ends in a file extension or a slash."""
+def citations(text: str, bare: bool = False) -> tuple:
+    """(paths, dotted names, (file, name) pairs) `text` cites in backticks, links and
+    `file.py: name` tags; with `bare` (as `--help`) every word ending in an extension or /."""
     paths, dotted = set(), set()
     pairs = set(_FILE_NAME.findall(text))
     if bare:
@@ -77,29 +105,29 @@ def citations(text, bare=False):
     return paths, dotted, pairs
 
 
-def links(text):
+def links(text: str) -> list:
     """Markdown link targets of `text` that are not web addresses."""
     return [t for t in _LINK.findall(text) if not re.match(r"^[a-z]+:", t)]
 
 
-def is_ours(path):
+def is_ours(path: str) -> bool:
     """Whether a cited path must exist in this repo (Paddle's and torch's files are not)."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
     return name not in NOT_OURS and not path.startswith(NOT_OURS_PREFIXES)
 
 
-def path_exists(path):
-    """A path with a folder in it from the repo root; a bare file name at the root or in one
-    of the repo's folders (docs/, .ci/, relgrad_*/)."""
+def path_exists(path: str) -> bool:
+    """A path with a folder from the repo root; a bare name at the root or in docs/, .ci/,
+    relgrad_*/."""
     if "/" in path.rstrip("/"):
         return (REPO / path).exists()
     folders = [REPO, REPO / "docs", REPO / ".ci"] + sorted(REPO.glob("relgrad_*"))
     return any((folder / path).exists() for folder in folders)
 
 
-def resolve_dotted(name):
-    """Import the longest module prefix of `name`, then getattr the rest; None if it resolves,
-    else why not."""
+def resolve_dotted(name: str) -> str | None:
+    """None if `name` resolves (its longest module prefix imported, getattr the rest), else
+    why not."""
     parts = name.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -114,10 +142,9 @@ def resolve_dotted(name):
     return f"no module {parts[0]}"
 
 
-def resolve_in_file(file, name):
-    """`file.py: name`: the file exists and its module has `name` (dotted: getattr, so an
-    inherited method counts; bare: a module attribute or an attribute a class of the module
-    defines). None if it resolves, else why not."""
+def resolve_in_file(file: str, name: str) -> str | None:
+    """None if `file.py: name` resolves (dotted: getattr, inherited counts; bare: a module
+    attribute or one a class of the module defines), else why not."""
     if not (REPO / file).is_file():
         return f"no file {file}"
     module = importlib.import_module(file[:-3].replace("/", "."))
@@ -132,7 +159,18 @@ def resolve_in_file(file, name):
     return f"{file} defines no {name}"
 
 
-def heading_anchors(text):
+def link_problem(doc: str, target: str) -> str | None:
+    """Why the markdown link `target` of `doc` is broken, or None."""
+    file, _, anchor = target.partition("#")
+    path = ((REPO / doc).parent / file).resolve() if file else REPO / doc
+    if not path.exists():
+        return "no such file"
+    if anchor and anchor not in heading_anchors(path.read_text()):
+        return "no such heading"
+    return None
+
+
+def heading_anchors(text: str) -> set:
     """GitHub's anchors for the headings of a markdown text."""
     anchors = set()
     for line in text.splitlines():
@@ -158,15 +196,15 @@ def _format_ranges(ranges):
     return ", ".join(f"{a}-{b}" for a, b in ranges)
 
 
-def hunk_rows(readme):
-    """[(row number, hunk text, file, qualified name, [(first, last)...], range file, read
-    with)] of the README's hunk table ("Read it beside the diff")."""
+def hunk_rows(readme: str) -> list:
+    """[(row, hunk text, file, qualified name, [(first, last)], range file, read with)]
+    of the README's hunk table."""
     return [(int(m.group(1)), m.group(2), m.group(4), m.group(5), _parse_ranges(m.group(7)),
              m.group(6), m.group(8)) for m in _ROW.finditer(readme)]
 
 
-def read_with_range(file, name):
-    """(first, last) of `name` in `file`: a qualified name, or a method of one of its classes."""
+def read_with_range(file: str, name: str) -> tuple | None:
+    """(first, last) of `name` in `file`: a qualified name or a method of one of its classes."""
     found = actual_range(file, name)
     if found is not None:
         return found
@@ -178,8 +216,7 @@ def read_with_range(file, name):
 
 @functools.lru_cache(maxsize=None)
 def _tree(source):
-    """`ast.parse(source)`, once per text: the hunk table's rows read 4 files some 60 times
-    (only read, never changed)."""
+    """`ast.parse(source)` once per text (the table's rows read 4 files some 60 times)."""
     return ast.parse(source)
 
 
@@ -188,10 +225,9 @@ def _statements(source):
     return [n for n in ast.walk(_tree(source)) if isinstance(n, ast.stmt)]
 
 
-def actual_range(file, qualname):
-    """(first, last) line of `qualname` in `file`, as `ast` sees it: a function or class from
-    its first decorator to its end; a class attribute from the comment block above it to its
-    last line."""
+def actual_range(file: str, qualname: str) -> tuple | None:
+    """(first, last) line of `qualname` in `file` as `ast` sees it: a def or class from its
+    first decorator; a class attribute from the comment block above it."""
     source = (REPO / file).read_text()
     node = _tree(source)
     for part in qualname.split("."):
@@ -212,11 +248,10 @@ def actual_range(file, qualname):
     return first, node.end_lineno
 
 
-def hunk_range(file, qualname, mark):
-    """The ranges [(first, last)] of a hunk in `qualname` of `file`: each from a comment
-    holding `mark` through the lines under it up to the next blank line (at least to the end
-    of the statement that follows it); the whole method when a mark says "the whole method";
-    a field's whole range. None without such a comment."""
+def hunk_range(file: str, qualname: str, mark: str) -> list | None:
+    """[(first, last)] of the hunks marked `mark` in `qualname`: each from the mark through
+    the next blank line (at least the statement after it); the whole method or field when
+    marked so. None without a mark."""
     whole = actual_range(file, qualname)
     if whole is None:
         return None
@@ -258,10 +293,9 @@ def _mark(hunk):
             else "Seed hunk")
 
 
-def check_hunk_row(row):
-    """Why a row of the hunk table does not match the code, or None: `file: qualname` must
-    exist, and the cited ranges must be the hunk's own lines (`hunk_range`), from its
-    `Seed hunk` marks (a reconstructed point N: `Seed hunk (reconstructed, point N)`)."""
+def check_hunk_row(row: tuple) -> str | None:
+    """Why a row of the hunk table does not match the code (its names, its ranges of the
+    `Seed hunk` marks, `hunk_range`), or None."""
     number, hunk, file, qualname, ranges, range_file, read_with = row
     for name, cited in _READ.findall(read_with):
         actual = read_with_range(file, name)
@@ -284,9 +318,8 @@ def check_hunk_row(row):
     return None
 
 
-def fix_ranges(readme):
-    """The README text with each hunk-table row's ranges set to what the code holds (the
-    other checks of `check_hunk_row` still apply): for after an edit moves the methods."""
+def fix_ranges(readme: str) -> str:
+    """The README with each row's ranges (and read-with ranges) set to what the code holds."""
     def fixed(m):
         actual = hunk_range(m.group(4), m.group(5), _mark(m.group(2)))
         if actual is None:

@@ -1,14 +1,13 @@
-"""What the GPU tests run (test_all.py, skipped without CUDA): release off vs on measured with
+"""What the GPU tests run (skipped without CUDA): release off vs on measured with
 `torch.cuda.memory_allocated`, for the data-parallel fused buffer and sharding v2.
 
     python -m relgrad_checks.gpu one-rank   # 1 process, a 1-rank nccl group on cuda:0
     python -m relgrad_checks.gpu shared     # 2 processes on one GPU over gloo, CUDA tensors
 
-Each prints one JSON object: per kind ("dp", "v2") and per rank, for release off and on, the
-bytes held between steps and the eval peak (above what was in use before the run was built),
-the buffers' bytes, and whether the final params are bitwise equal. NCCL cannot put two
-ranks on one GPU (it refuses the communicator), hence gloo for the 2-process case.
-`--cpu` runs the same code on CPU over gloo (its bytes are the malloc heap's: not asserted).
+Each prints one JSON list, per rank and kind ("dp", "v2"), release off and on: the bytes held
+between steps and the eval peak (above those in use before the build), the buffers' bytes,
+and whether the params end bitwise equal. NCCL refuses two ranks on one GPU, hence gloo for
+`shared`. `--cpu` runs the same on CPU over gloo (its bytes are the heap's: not asserted).
 """
 import json
 import os
@@ -19,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from comm_buffer import HOOK_ACTION, FusedCommBuffer, assign_group_by_size, bw_hook_func
-from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy
+from relgrad import HybridCommunicateGroup
+from relgrad_checks.loops import hooked, own_strategy
 from relgrad_demo.launch import launch
 from relgrad_demo.memory import allocator_in_use_bytes
 from sharding import DygraphShardingOptimizerV2
@@ -37,103 +36,82 @@ def _model(device):
 
 def _batch(step, rows, device, rank, world):
     gen = torch.Generator().manual_seed(step)
-    x, y = torch.randn(world * rows, 64, generator=gen), torch.randn(world * rows, 64,
-                                                                     generator=gen)
+    x, y = (torch.randn(world * rows, 64, generator=gen) for _ in range(2))
     return x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)
 
 
-def _sync(device):
+def _in_use(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return allocator_in_use_bytes(device)
 
 
-def _peak_block(device):
+def _eval_peak(model, x, device):
+    """The allocator's peak during a no-grad forward of `x` (None on CPU)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak(device):
+    with torch.no_grad():
+        float(model(x).square().mean())
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
 def _train(kind, release, device):
-    """Build one run of `kind` ("dp": FusedCommBuffer all-reduce; "v2": sharding v2 with its
-    own overlap) on every rank, train STEPS steps; measure bytes between steps and an eval
-    peak after each step, above what was in use before the build."""
+    """One run of `kind` ("dp": the bare buffer; "v2": own overlap), STEPS steps.
+    -> ({bytes between steps, eval peaks, buffer bytes, buckets}, params)"""
     rank, world = dist.get_rank(), dist.get_world_size()
-    _sync(device)
-    start = allocator_in_use_bytes(device)
+    start = _in_use(device)
     model = _model(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     if kind == "dp":
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        buffers = [FusedCommBuffer(i, bucket, None, ACC, act=HOOK_ACTION.ALL_REDUCE,
-                                   release_grads=release)
-                   for i, bucket in assign_group_by_size(list(model.parameters())).items()]
-        for buffer in buffers:
-            for p in buffer.params:
-                p.register_post_accumulate_grad_hook(bw_hook_func(buffer, p))
+        buffers = hooked(model.parameters(), None, ACC, release)
     else:
-        strategy = HybridStrategy(sharding_degree=world, sharding_configs=DygraphShardingConfig(
-            split_param=True, comm_overlap=True, accumulate_steps=ACC,
-            release_gradients=release))
-        opt = DygraphShardingOptimizerV2(torch.optim.Adam(model.parameters(), lr=1e-3),
-                                         HybridCommunicateGroup(strategy), strategy)
+        strategy = own_strategy(world, 2, acc=ACC, release=release)
+        opt = DygraphShardingOptimizerV2(opt, HybridCommunicateGroup(strategy), strategy)
         buffers = opt.comm_buffers
     between, eval_peak = [], []
     for step in range(STEPS):
         x, y = _batch(step, 8 * ACC, device, rank, world)
         for xm, ym in zip(x.chunk(ACC), y.chunk(ACC)):
             (F.mse_loss(model(xm), ym) / ACC).backward()
-        if kind == "dp":
-            for buffer in buffers:
-                buffer.scale_grads()
-            opt.step()
-            opt.zero_grad(set_to_none=release)  # off: the grads stay views of the buffer
-            for buffer in buffers if release else ():
-                buffer._clear_grad_storage()
-        else:
-            opt.step()
-            opt.zero_grad(set_to_none=release)  # on: frees the buffers until the next grad
-        _sync(device)
-        between.append(allocator_in_use_bytes(device) - start)
-        ex, _ = _batch(10**6 + step, 64, device, rank, world)
-        _peak_block(device)
-        with torch.no_grad():
-            float(model(ex).square().mean())
-        peak = _peak(device)
+        for buffer in buffers if kind == "dp" else ():
+            buffer.scale_grads()
+        opt.step()
+        opt.zero_grad(set_to_none=release)  # dp off: the grads stay views of the buffer
+        for buffer in buffers if kind == "dp" and release else ():
+            buffer._clear_grad_storage()
+        between.append(_in_use(device) - start)
+        peak = _eval_peak(model, _batch(10**6 + step, 64, device, rank, world)[0], device)
         eval_peak.append(None if peak is None else peak - start)
     nbytes = sum(b.buffer_size * torch.empty((), dtype=b._dtype).element_size() for b in buffers)
-    params = [p.detach().cpu() for p in model.parameters()]
     return {"between": between, "eval_peak": eval_peak, "buffer_bytes": nbytes,
-            "buckets": len(buffers)}, params
+            "buckets": len(buffers)}, [p.detach().cpu() for p in model.parameters()]
 
 
 def _off_and_on(device):
-    """Per kind, after one warm-up run: release off, then on (one run alive at a time), their
-    measures and whether their final params are bitwise equal."""
+    """Per kind, after a warm-up: release off, then on, and whether params end equal."""
     out = {}
     for kind in ("dp", "v2"):
         _train(kind, True, device)  # warm-up: cuBLAS workspaces, kernels, the allocator
         runs, params = {}, {}
-        for release in (False, True):  # one run at a time: the other's bytes are gone
+        for release in (False, True):
             runs[release], params[release] = _train(kind, release, device)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         assert len(params[False]) == len(params[True]) > 0
-        out[kind] = {"off": runs[False], "on": runs[True], "equal": all(
-            torch.equal(a, b) for a, b in zip(params[False], params[True]))}
+        equal = all(torch.equal(a, b) for a, b in zip(params[False], params[True]))
+        out[kind] = {"off": runs[False], "on": runs[True], "equal": equal}
     return out
 
 
 def _shared_rank(rank, world, device):
-    """One of the 2 gloo ranks: both on `device` (the same GPU)."""
+    """One of the 2 gloo ranks, both on `device` (the same GPU)."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return _off_and_on(device)
 
 
-def main(argv):
+def main(argv: list) -> int:
     """`one-rank` or `shared` [--cpu]: run, print the JSON list of per-rank results."""
     what, cpu = argv[0], "--cpu" in argv
     device = "cpu" if cpu else "cuda:0"

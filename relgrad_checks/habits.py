@@ -1,99 +1,70 @@
 """Rank-side checks of habits DDP users bring: a skipped backward, an lr set per rank, a GAN's
-two models, the bare buffer's in-flight grads and its comm_group. Each returns what every rank
-saw (the error's type and text) and the params after training on, for the test to compare."""
+two models, the bare buffer's in-flight grads and its comm_group."""
+from itertools import product
+
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from comm_buffer import HOOK_ACTION, FusedCommBuffer, assign_group_by_size, bw_hook_func
-from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy
-from relgrad_checks.loops import _CLASSES, STEPS, _micro_batches, _oracle, _sharded
-
-
-def _error(call):
-    """(type name, text) of what `call()` raised, or None."""
-    try:
-        call()
-    except (ValueError, RuntimeError) as error:
-        return type(error).__name__, str(error)
-    return None
+from comm_buffer import HOOK_ACTION, FusedCommBuffer
+from relgrad import HybridCommunicateGroup
+from relgrad_checks.common import _mlp
+from relgrad_checks.loops import (CLASSES, SIZES, STEPS, backward, caught, clear, hooked, oracle,
+                                  own_strategy, params, sharded, train)
 
 
-def _train(model, opt, rank, world, steps):
-    for step in steps:
-        for x, y in _micro_batches(rank, world, step, 1):
-            F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=opt.sd_release_grads)
+def skipped_backward(rank: int, world: int) -> tuple[dict, list]:
+    """Own overlap: in step 0 rank 1 skips backward or clears alone; then STEPS steps.
+    -> ({case: (error, params)}, one process over those steps)"""
+    out = {}
+    for version, release, how in product((1, 2), (True, False), ("skip", "alone")):
+        model, opt = sharded(world, version, True, 1, release)
+        if rank != 1 or how == "alone":
+            backward(model, rank, world, 0)
+        if how == "alone" and rank != 1:
+            seen = caught(opt.step)
+        else:
+            seen = caught(clear, opt, release)
+        if how == "alone":
+            clear(opt, release)  # clear the grads and go on
+        train(model, opt, rank, world, range(1, STEPS + 1), release)
+        out[version, release, how] = (seen, params(model))
+    return out, oracle(range(1, STEPS + 1))[0]
 
 
-def _oracle_from(first, steps):
-    """One process, AdamW(1e-2), the whole batch of steps `first` .. `steps - 1` only."""
-    from relgrad_checks.common import _data, _mlp
-    from relgrad_checks.loops import BATCH, SIZES
-    model = _mlp(SIZES)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(first, steps):
-        x, y = _data(step, BATCH, SIZES[0], SIZES[-1])
-        F.mse_loss(model(x), y).backward()
-        opt.step()
+def lr_per_rank(rank: int, world: int) -> tuple[dict, list]:
+    """Rank 1 sets another lr by hand; set back, cleared, trained on.
+    -> ({case: (error, params)}, one process)"""
+    out = {}
+    for version, overlap in product((1, 2), (False, True)):
+        model, opt = sharded(world, version, overlap, 1)
+        for group in opt.param_groups:
+            group["lr"] = 0.02 if rank == 1 else 0.01
+        backward(model, rank, world, 0)
+        seen = caught(opt.step)
         opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()]
+        for group in opt.param_groups:
+            group["lr"] = 1e-2
+        train(model, opt, rank, world, range(STEPS))
+        out[version, overlap] = (seen, params(model))
+    return out, oracle()[0]
 
 
-def skipped_backward(rank, world):
-    """Sharding's own overlap, v1 / v2, release on / off, step 0 goes wrong on rank 1: "skip"
-    (it skips backward, every rank calls zero_grad()) or "alone" (every rank runs backward,
-    rank 1 calls zero_grad() while the others call step()); then every rank clears and trains
-    STEPS good steps. Returns ({case: (error, params)}, one process over steps 1 .. STEPS)."""
-    out = {}
-    for version in (1, 2):
-        for release in (True, False):
-            for how in ("skip", "alone"):
-                model, opt = _sharded(world, version, True, 1, release)
-                if rank != 1 or how == "alone":
-                    for x, y in _micro_batches(rank, world, 0, 1):
-                        F.mse_loss(model(x), y).backward()
-                call = opt.step if how == "alone" and rank != 1 else lambda: opt.zero_grad(
-                    set_to_none=release)
-                seen = _error(call)
-                if how == "alone":
-                    opt.zero_grad(set_to_none=release)  # clear the grads and go on
-                _train(model, opt, rank, world, range(1, STEPS + 1))
-                out[version, release, how] = (seen,
-                                              [p.detach().clone() for p in model.parameters()])
-    return out, _oracle_from(1, STEPS + 1)
-
-
-def lr_per_rank(rank, world):
-    """v1 / v2 (own overlap off and on): rank 1 sets another lr by hand; step() raises on every
-    rank; the same lr set back, zero_grad() and training on match one process."""
-    out = {}
-    for version in (1, 2):
-        for overlap in (False, True):
-            model, opt = _sharded(world, version, overlap, 1)
-            for group in opt.param_groups:
-                group["lr"] = 0.02 if rank == 1 else 0.01
-            for x, y in _micro_batches(rank, world, 0, 1):
-                F.mse_loss(model(x), y).backward()
-            seen = _error(opt.step)
-            opt.zero_grad()
-            for group in opt.param_groups:
-                group["lr"] = 1e-2
-            _train(model, opt, rank, world, range(STEPS))
-            out[version, overlap] = (seen, [p.detach().clone() for p in model.parameters()])
-    return out, _oracle(STEPS)[0]
-
-
-def _gan(seed=0):
-    torch.manual_seed(seed)
+def _gan(version, hcg, strategy):
+    """A generator and a discriminator with their optimizers (v`version`, or plain Adam)."""
+    torch.manual_seed(0)
     gen = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6))
     disc = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    return gen, disc
+    opts = []
+    for model in (gen, disc):
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        if version:
+            opt = CLASSES[version](opt, hcg, strategy)
+        opts.append(opt)
+    return gen, disc, *opts
 
 
 def _gan_steps(gen, disc, opt_g, opt_d, rows, freeze, steps=2):
-    """DCGAN's loop order: D on real and detached fake, then G through D (D frozen if asked)."""
+    """DCGAN's loop order (D, then G through D, frozen if asked). -> G's and D's params"""
     bce = torch.nn.BCEWithLogitsLoss()
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
@@ -108,69 +79,49 @@ def _gan_steps(gen, disc, opt_g, opt_d, rows, freeze, steps=2):
         bce(disc(fake), torch.ones(len(real), 1)).backward()  # reaches D unless frozen
         disc.requires_grad_(True)
         opt_g.step()
+    return params(gen) + params(disc)
 
 
-def gan(rank, world):
-    """Two sharding optimizers (own overlap, v1 release on, v2 release off) in DCGAN's loop:
-    G's loss reaching D raises the same error on every rank; with D frozen for G's step it
-    trains as one process does. Returns ({version: (error, G and D params)}, one process)."""
+def gan(rank: int, world: int) -> tuple[dict, list]:
+    """Two sharding optimizers in DCGAN's loop, D frozen for G's step or not.
+    -> ({version: (error, params)}, one process)"""
     out = {}
     rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
     for version, release in ((1, True), (2, False)):
-        strategy = HybridStrategy(sharding_degree=world, sharding_configs=DygraphShardingConfig(
-            split_param=version == 2, comm_overlap=True, release_gradients=release))
+        strategy = own_strategy(world, version, release=release)
         hcg = HybridCommunicateGroup(strategy)
-        gen, disc = _gan()
-        opt_g = _CLASSES[version](torch.optim.Adam(gen.parameters(), lr=1e-2), hcg, strategy)
-        opt_d = _CLASSES[version](torch.optim.Adam(disc.parameters(), lr=1e-2), hcg, strategy)
-        seen = _error(lambda: _gan_steps(gen, disc, opt_g, opt_d, rows, freeze=False))
-        gen, disc = _gan()  # the fix, from the start
-        opt_g = _CLASSES[version](torch.optim.Adam(gen.parameters(), lr=1e-2), hcg, strategy)
-        opt_d = _CLASSES[version](torch.optim.Adam(disc.parameters(), lr=1e-2), hcg, strategy)
-        _gan_steps(gen, disc, opt_g, opt_d, rows, freeze=True)
-        out[version] = (seen, [p.detach().clone() for m in (gen, disc) for p in m.parameters()])
-    gen, disc = _gan()
-    _gan_steps(gen, disc, torch.optim.Adam(gen.parameters(), lr=1e-2),
-               torch.optim.Adam(disc.parameters(), lr=1e-2), slice(0, 8), freeze=True)
-    return out, [p.detach().clone() for m in (gen, disc) for p in m.parameters()]
+        seen = caught(_gan_steps, *_gan(version, hcg, strategy), rows, freeze=False)
+        out[version] = (seen, _gan_steps(*_gan(version, hcg, strategy), rows, freeze=True))
+    return out, _gan_steps(*_gan(None, None, None), slice(0, 8), freeze=True)
 
 
-def bare_buffer(rank, world):
-    """The bare FusedCommBuffer (release on): a grad scaled in flight (rank 0 only) raises the
-    same error at scale_grads() on every rank, then zero_grad() and release() and training on
-    match one process over the later steps; a comm_group whose ranks hold other buckets raises
-    at build on every rank. Returns (in-flight error, params, one process, build error)."""
-    from relgrad_checks.common import _mlp
-    from relgrad_checks.loops import SIZES
+def bare_buffer(rank: int, world: int) -> tuple:
+    """The bare buffer: a grad scaled in flight on rank 0, then training on; a comm_group
+    whose ranks hold other buckets. -> (error, params, one process, build error)"""
     model = _mlp(SIZES)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    buffers = [FusedCommBuffer(i, b, None, 1, HOOK_ACTION.ALL_REDUCE, release_grads=True)
-               for i, b in assign_group_by_size(list(model.parameters())).items()]
+    buffers = hooked(model.parameters(), None, 1, True)
     assert len(buffers) == 1
-    for buffer in buffers:
-        for p in buffer.params:
-            p.register_post_accumulate_grad_hook(bw_hook_func(buffer, p))
 
     def step(k, change=False):
-        for x, y in _micro_batches(rank, world, k, 1):
-            F.mse_loss(model(x), y).backward()
+        backward(model, rank, world, k)
         if change:
             next(model.parameters()).grad.mul_(0.5)  # nanoGPT's clip before the wait
         for buffer in buffers:
             buffer.scale_grads()
         opt.step()
 
-    seen = _error(lambda: step(0, change=rank == 0))
-    opt.zero_grad()
-    for buffer in buffers:
-        buffer.release()
-    for k in range(1, STEPS + 1):
-        step(k)
+    def clear_and_release():
         opt.zero_grad()
         for buffer in buffers:
             buffer.release()
-    params = [p.detach().clone() for p in model.parameters()]
+
+    seen = caught(step, 0, change=rank == 0)
+    clear_and_release()
+    for k in range(1, STEPS + 1):
+        step(k)
+        clear_and_release()
     other = [torch.nn.Parameter(torch.ones(100 + 100 * rank))]  # rank 1's: another size
-    built = _error(lambda: FusedCommBuffer(0, other, None, 1, HOOK_ACTION.ALL_REDUCE))
+    built = caught(FusedCommBuffer, 0, other, None, 1, HOOK_ACTION.ALL_REDUCE)
     dist.barrier()
-    return seen, params, _oracle_from(1, STEPS + 1), built
+    return seen, params(model), oracle(range(1, STEPS + 1))[0], built

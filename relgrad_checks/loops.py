@@ -1,117 +1,173 @@
-"""Rank-side checks of the torch loop around the sharding optimizers: both loop orders
-(`zero_grad` after `step()` or at the top) and the torch-shaped `clip_grad_norm_`."""
+"""Rank-side checks of the torch loop around the sharding optimizers (loop orders,
+`clip_grad_norm_`, setups that differ) and the scaffolding the other loop checks share: an MLP,
+its micro-batches, a sharded optimizer, training steps, one process on the whole batch."""
+from collections.abc import Callable, Iterable, Iterator
+from itertools import product
+
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
+from comm_buffer import HOOK_ACTION, FusedCommBuffer, assign_group_by_size, bw_hook_func
 from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy
-from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
 from relgrad_checks.common import _data, _mlp
+from relgrad_extras.grad_clip import ClipGradByGlobalNorm
+from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
 
-SIZES, BATCH, STEPS = [6, 16, 16, 4], 16, 3
-_CLASSES = {1: DygraphShardingOptimizer, 2: DygraphShardingOptimizerV2}
+SIZES, BATCH, STEPS, LR = [6, 16, 16, 4], 16, 3, 1e-2
+CLASSES = {1: DygraphShardingOptimizer, 2: DygraphShardingOptimizerV2}
 
 
-def _sharded(world, version, overlap, acc, release=True):
-    strategy = HybridStrategy(sharding_degree=world, sharding_configs=DygraphShardingConfig(
+# ---------------------------------------------------------------- the scaffolding
+
+def caught(fn: Callable, *args, **kwargs) -> tuple[str, str] | None:
+    """(type name, text) of what `fn(*args, **kwargs)` raised, or None if it returned."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 (the test compares what every rank saw)
+        return type(error).__name__, str(error)
+    return None
+
+
+def params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def clear(opt, release: bool = True) -> None:
+    """The documented clear: drop the grads (release on) or zero them (release off)."""
+    opt.zero_grad(set_to_none=release)
+
+
+def cases(*axes: tuple[str, tuple]) -> Iterator[tuple[str, tuple]]:
+    """("a=1 b=x", (1, "x")) for each combination of `axes`, each a (name, values) pair."""
+    for values in product(*(v for _, v in axes)):
+        yield " ".join(f"{n}={v}" for (n, _), v in zip(axes, values)), values
+
+
+def own_strategy(world: int, version: int, overlap: bool = True, acc: int = 1,
+                 release: bool = True, **config) -> HybridStrategy:
+    """Sharding v`version` over all `world` ranks, no pipeline, its own overlap on or off."""
+    return HybridStrategy(sharding_degree=world, sharding_configs=DygraphShardingConfig(
         split_param=version == 2, comm_overlap=overlap, accumulate_steps=acc,
-        release_gradients=release))
-    hcg = HybridCommunicateGroup(strategy)
+        release_gradients=release, **config))
+
+
+def sharded(world: int, version: int, overlap: bool, acc: int,
+            release: bool = True) -> tuple[nn.Module, object]:
+    """(the MLP, sharding v`version` over AdamW(LR)) on every rank."""
+    strategy = own_strategy(world, version, overlap, acc, release)
     model = _mlp(SIZES)
-    # Small buckets (v2: several per model) so that "every buffer" means more than one.
-    opt = _CLASSES[version](torch.optim.AdamW(model.parameters(), lr=1e-2), hcg, strategy)
+    opt = CLASSES[version](torch.optim.AdamW(model.parameters(), lr=LR),
+                           HybridCommunicateGroup(strategy), strategy)
     return model, opt
 
 
-def _buffers(opt):
-    return opt.comm_buffers  # the public view the README points users to
+def hooked(weights: Iterable, group, acc: int, release: bool) -> list[FusedCommBuffer]:
+    """The bare FusedCommBuffers (all-reduce) of `weights`, each grad checked in by its hook."""
+    buffers = []
+    for i, bucket in assign_group_by_size(list(weights)).items():
+        buffers.append(FusedCommBuffer(i, bucket, group, acc, HOOK_ACTION.ALL_REDUCE,
+                                       release_grads=release))
+        for p in bucket:
+            p.register_post_accumulate_grad_hook(bw_hook_func(buffers[-1], p))
+    return buffers
 
 
-def _micro_batches(rank, world, step, acc):
+def micro_batches(rank: int, world: int, step: int, acc: int) -> list[tuple]:
+    """This rank's `acc` micro-batches (x, y) of the step's batch of BATCH rows."""
     x, y = _data(step, BATCH, SIZES[0], SIZES[-1])
     return list(zip(x.chunk(world)[rank].chunk(acc), y.chunk(world)[rank].chunk(acc)))
 
 
-def _oracle(steps, clip=None):
-    """One process, the whole batch, AdamW(1e-2); torch's clip_grad_norm_(clip) if given.
-    Returns (params after the last step, the norms clip_grad_norm_ returned)."""
+def backward(model: nn.Module, rank: int, world: int, step: int, acc: int = 1,
+             scale: Callable | None = None) -> None:
+    """The backward passes of this rank's micro-batches (each loss / acc, then `scale`)."""
+    for x, y in micro_batches(rank, world, step, acc):
+        loss = F.mse_loss(model(x), y) / acc
+        if scale is not None:
+            loss = scale(loss)
+        loss.backward()
+
+
+def train(model: nn.Module, opt, rank: int, world: int, steps: Iterable, release: bool = True,
+          acc: int = 1, clip: float | None = None) -> None:
+    """Each of `steps`: backward, opt.clip_grad_norm_(clip) if given, step(), the clear."""
+    for step in steps:
+        backward(model, rank, world, step, acc)
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        clear(opt, release)
+
+
+def oracle(steps: Iterable = range(STEPS), clip: float | None = None,
+           grads: list | None = None) -> tuple[list, list]:
+    """One process, the whole batch, AdamW(LR), torch's clip_grad_norm_(clip) if given, each
+    step's grads appended to `grads`. -> (params after the last step, clip's norms)"""
     model = _mlp(SIZES)
-    opt, norms = torch.optim.AdamW(model.parameters(), lr=1e-2), []
-    for step in range(steps):
+    opt, norms = torch.optim.AdamW(model.parameters(), lr=LR), []
+    for step in steps:
         x, y = _data(step, BATCH, SIZES[0], SIZES[-1])
         F.mse_loss(model(x), y).backward()
+        if grads is not None:
+            grads.append([p.grad.clone() for p in model.parameters()])
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         opt.step()
         opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()], norms
+    return params(model), norms
 
 
-def loop_orders(rank, world):
-    """Both loop orders, v1 / v2, own overlap on / off, acc 1 / 4: what holds storage when each
-    step's forward starts, and between step() and the next zero_grad (torch's contract: the
-    grads stay readable until zero_grad). Returns {case: (storage at forward starts (bools),
-    grads present at forward starts, grads present right after step, params)}."""
+# ---------------------------------------------------------------- the loop around sharding
+
+def loop_orders(rank: int, world: int) -> tuple[dict, list]:
+    """Both loop orders, v1 / v2, own overlap off / on, acc 1 / 4. -> ({case: (per step:
+    buffers holding storage and a grad at the forward, every grad after step(); params,
+    buffers)}, one process)"""
     out = {}
-    for version in (1, 2):
-        for overlap in (False, True):
-            for acc in (1, 4):
-                for order in ("step_then_zero", "zero_at_top"):
-                    model, opt = _sharded(world, version, overlap, acc)
-                    held, grads_at_forward, after_step = [], [], []
-                    for step in range(STEPS):
-                        if order == "zero_at_top":
-                            opt.zero_grad()
-                        held.append([b.grad_storage is not None for b in _buffers(opt)])
-                        grads_at_forward.append(any(p.grad is not None
-                                                    for p in model.parameters()))
-                        for x, y in _micro_batches(rank, world, step, acc):
-                            (F.mse_loss(model(x), y) / acc).backward()
-                        opt.step()
-                        after_step.append(all(p.grad is not None
-                                              for p in model.parameters()))
-                        if order == "step_then_zero":
-                            opt.zero_grad()
-                    out[version, overlap, acc, order] = (
-                        held, grads_at_forward, after_step,
-                        [p.detach().clone() for p in model.parameters()],
-                        len(_buffers(opt)))
-    return out, _oracle(STEPS)[0]
+    for case in product((1, 2), (False, True), (1, 4), ("step_then_zero", "zero_at_top")):
+        version, overlap, acc, order = case
+        model, opt = sharded(world, version, overlap, acc)
+        held, at_forward, after_step = [], [], []
+        for step in range(STEPS):
+            if order == "zero_at_top":
+                opt.zero_grad()
+            held.append([b.grad_storage is not None for b in opt.comm_buffers])
+            at_forward.append(any(p.grad is not None for p in model.parameters()))
+            backward(model, rank, world, step, acc)
+            opt.step()
+            after_step.append(all(p.grad is not None for p in model.parameters()))
+            if order == "step_then_zero":
+                opt.zero_grad()
+        out[case] = (held, at_forward, after_step, params(model), len(opt.comm_buffers))
+    return out, oracle()[0]
 
 
-def clip_grad_norm(rank, world):
-    """opt.clip_grad_norm_(c) between backward and step(), v1 / v2, overlap on / off, acc 1 /
-    4, c below and above the norm. Returns ({case: (params, norms)}, {c: oracle (params,
-    norms)})."""
-    out, oracles = {}, {}
-    for clip in (0.05, 100.0):
-        oracles[clip] = _oracle(STEPS, clip)
-        for version in (1, 2):
-            for overlap in (False, True):
-                for acc in (1, 4):
-                    model, opt = _sharded(world, version, overlap, acc)
-                    norms = []
-                    for step in range(STEPS):
-                        for x, y in _micro_batches(rank, world, step, acc):
-                            (F.mse_loss(model(x), y) / acc).backward()
-                        norms.append(opt.clip_grad_norm_(clip))
-                        opt.step()
-                        opt.zero_grad()
-                    out[clip, version, overlap, acc] = (
-                        [p.detach().clone() for p in model.parameters()], norms)
-    return out, oracles
+def clip_grad_norm(rank: int, world: int) -> tuple[dict, dict]:
+    """opt.clip_grad_norm_(c) before step(), c 0.05 / 100, v1 / v2, overlap, acc 1 / 4.
+    -> ({case: (params, norms)}, {c: one process's (params, norms)})"""
+    out = {}
+    for case in product((0.05, 100.0), (1, 2), (False, True), (1, 4)):
+        clip, version, overlap, acc = case
+        model, opt = sharded(world, version, overlap, acc)
+        norms = []
+        for step in range(STEPS):
+            backward(model, rank, world, step, acc)
+            norms.append(opt.clip_grad_norm_(clip))
+            opt.step()
+            opt.zero_grad()
+        out[case] = (params(model), norms)
+    return out, {clip: oracle(clip=clip) for clip in (0.05, 100.0)}
 
 
-def clip_grad_norm_misuse(rank, world):
-    """clip_grad_norm_ twice, with a bad max_norm, with grad_clip= too, norm_type=1: each raises
-    on every rank, and the optimizer still steps right afterwards."""
-    from relgrad_extras.grad_clip import ClipGradByGlobalNorm
-    import pytest
-    model, opt = _sharded(world, 2, True, 1)
-    for x, y in _micro_batches(rank, world, 0, 1):
-        F.mse_loss(model(x), y).backward()
-    for bad, match in ((0.0, "finite number > 0"), (float("inf"), "finite number > 0")):
-        with pytest.raises(ValueError, match=match):
+def clip_grad_norm_misuse(rank: int, world: int) -> bool:
+    """clip_grad_norm_ misused four ways raises on every rank; the optimizer steps after."""
+    model, opt = sharded(world, 2, True, 1)
+    backward(model, rank, world, 0)
+    for bad in (0.0, float("inf")):
+        with pytest.raises(ValueError, match="finite number > 0"):
             opt.clip_grad_norm_(bad)
     with pytest.raises(ValueError, match="norm_type=2"):
         opt.clip_grad_norm_(1.0, norm_type=1)
@@ -130,86 +186,65 @@ def clip_grad_norm_misuse(rank, world):
     return True
 
 
-def setup_mismatch(rank, world):
-    """Ranks that build the optimizer differently (lr, torch optimizer, split_param, comm
-    overlap, model width) each raise the same ValueError on every rank; models seeded apart
-    start from sharding rank 0's params; add_param_group under comm_overlap raises."""
-    import pytest
-    messages = []
-    cases = {
-        "lr": lambda: (1e-2 if rank == 0 else 2e-2, torch.optim.AdamW, 2, True, SIZES),
-        "optimizer": lambda: (1e-2, torch.optim.AdamW if rank == 0 else torch.optim.Adam, 2,
-                              True, SIZES),
-        "split_param": lambda: (1e-2, torch.optim.AdamW, (2, 2) if rank == 0 else (1, 2), True,
-                                SIZES),
-        "overlap": lambda: (1e-2, torch.optim.AdamW, 1, rank == 0, SIZES),
-        "width": lambda: (1e-2, torch.optim.AdamW, 2, True, SIZES if rank == 0 else [6, 8, 4]),
+def setup_mismatch(rank: int, world: int) -> tuple[list, list]:
+    """Ranks building the optimizer otherwise; models seeded apart; add_param_group under
+    own overlap. -> ([(what differs, the error's text)], the params at the start)"""
+    first, adamw = rank == 0, torch.optim.AdamW
+    table = {  # what differs: (lr, torch optimizer, class, split_param's version, overlap, sizes)
+        "lr": (1e-2 if first else 2e-2, adamw, 2, 2, True, SIZES),
+        "optimizer": (1e-2, adamw if first else torch.optim.Adam, 2, 2, True, SIZES),
+        "split_param": (1e-2, adamw, 2 if first else 1, 2, True, SIZES),
+        "overlap": (1e-2, adamw, 1, 1, first, SIZES),
+        "width": (1e-2, adamw, 2, 2, True, SIZES if first else [6, 8, 4]),
     }
-    for name, case in cases.items():
-        lr, cls, version, overlap, sizes = case()
-        version, config = version if isinstance(version, tuple) else (version, version)
-        strategy = HybridStrategy(sharding_degree=world, sharding_configs=DygraphShardingConfig(
-            split_param=config == 2, comm_overlap=overlap, accumulate_steps=1,
-            release_gradients=True))
-        hcg = HybridCommunicateGroup(strategy)
+    messages = []
+    for name, (lr, optimizer, version, split, overlap, sizes) in table.items():
+        strategy = own_strategy(world, split, overlap)
         with pytest.raises(ValueError, match="must build the optimizer alike") as info:
-            _CLASSES[version](cls(_mlp(sizes).parameters(), lr=lr), hcg, strategy)
+            CLASSES[version](optimizer(_mlp(sizes).parameters(), lr=lr),
+                             HybridCommunicateGroup(strategy), strategy)
         messages.append((name, str(info.value)))
-    # models seeded apart: every rank starts from sharding rank 0's params
-    strategy = HybridStrategy(sharding_degree=world, sharding_configs=DygraphShardingConfig(
-        comm_overlap=True, release_gradients=True))
-    hcg = HybridCommunicateGroup(strategy)
-    model = _mlp(SIZES, seed=rank)
-    opt = DygraphShardingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hcg, strategy)
-    start = [p.detach().clone() for p in model.parameters()]
+    strategy = own_strategy(world, 1)
+    model = _mlp(SIZES, seed=rank)  # seeded apart: every rank starts from rank 0's params
+    opt = DygraphShardingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   HybridCommunicateGroup(strategy), strategy)
+    start = params(model)
     with pytest.raises(ValueError, match="add_param_group is not supported with sharding_"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
     dist.barrier()
     return messages, start
 
 
-def torch_clip_in_flight(rank, world):
-    """torch.nn.utils.clip_grad_norm_ between backward and step() under sharding's own overlap
-    (the grads are being reduced then): every rank raises at step(); after zero_grad() the
-    same optimizer trains on to the one-process result. Returns {version: (message, params)}."""
-    import pytest
+def torch_clip_in_flight(rank: int, world: int) -> tuple[dict, list]:
+    """torch's clip before step() under own overlap, then training on.
+    -> ({version: (the error's text, params)}, one process)"""
     out = {}
     for version in (1, 2):
-        model, opt = _sharded(world, version, True, 1)
-        for x, y in _micro_batches(rank, world, 0, 1):
-            F.mse_loss(model(x), y).backward()
+        model, opt = sharded(world, version, True, 1)
+        backward(model, rank, world, 0)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         with pytest.raises(ValueError, match="changed in place while its bucket") as info:
             opt.step()
         opt.zero_grad()
-        for step in range(STEPS):
-            for x, y in _micro_batches(rank, world, step, 1):
-                F.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        out[version] = (str(info.value), [p.detach().clone() for p in model.parameters()])
-    return out, _oracle(STEPS)[0]
+        train(model, opt, rank, world, range(STEPS))
+        out[version] = (str(info.value), params(model))
+    return out, oracle()[0]
 
 
-def unused_on_one_rank(rank, world):
-    """Under sharding's own overlap with several buckets, rank 1's backward skips the branch
-    whose buckets fire first on rank 0: every rank raises the same ValueError at step() (no
-    hang, no mixed buckets); after zero_grad() both ranks train on together. Returns
-    {version: (message, params after one good step)}."""
-    import pytest
+def unused_on_one_rank(rank: int, world: int) -> dict:
+    """Own overlap, 3 buckets: rank 1 skips the branch whose bucket fires first on rank 0.
+    -> {version: (the error's text up to its rank's part, params after a good step)}"""
     out = {}
     for version in (1, 2):
-        strategy = HybridStrategy(sharding_degree=world, sharding_configs=DygraphShardingConfig(
-            split_param=version == 2, comm_overlap=True, accumulate_steps=1,
-            release_gradients=True, comm_buffer_size_MB=1))
-        hcg = HybridCommunicateGroup(strategy)
+        strategy = own_strategy(world, version, comm_buffer_size_MB=1)
         torch.manual_seed(0)
         # one bucket each (>= 1 MB), of different sizes: a bucket issued out of turn would
         # meet another size on the other rank (gloo: a crash or a hang)
         a = torch.nn.Linear(500, 600, bias=False)
         b, head = torch.nn.Linear(600, 600, bias=False), torch.nn.Linear(600, 600, bias=False)
         model = torch.nn.ModuleList([a, b, head])
-        opt = _CLASSES[version](torch.optim.SGD(model.parameters(), lr=0.1), hcg, strategy)
+        opt = CLASSES[version](torch.optim.SGD(model.parameters(), lr=0.1),
+                               HybridCommunicateGroup(strategy), strategy)
         assert len(opt.comm_buffers) == 3
         x = torch.randn(4, 500)
         h = a(x)
@@ -222,6 +257,5 @@ def unused_on_one_rank(rank, world):
         head(h + b(h)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        out[version] = (str(info.value).split(" On this rank:")[0],
-                        [p.detach().clone() for p in model.parameters()])
+        out[version] = (str(info.value).split(" On this rank:")[0], params(model))
     return out

@@ -1,23 +1,17 @@
 """The recipes of the README and docs/, run as a user would: each snippet from an empty folder
 holding only the files its recipe names, on local gloo ranks, against plain one-process torch.
 
-`readme_recipes()` reads every block tagged `<!-- recipe X: files -->` in README.md and
-docs/*.md (`fenced_python_blocks()` lists every ```python block, tagged or not);
-`run_recipe` copies the named files into a temporary folder, appends a line that saves each
-rank's params, and starts the ranks as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1,
-a port the OS picked); the references below train the same model on the whole batch in one
-process, written from the recipe's description, not from its code.
-
-Each rank is its own process, started in its recipe's folder as `python -E -s recipe.py` would
-be: sys.path[0] is that folder, nothing of this repo is imported before the snippet runs. On
-Linux the ranks are forked from one launcher process per session (this file run as a script,
-`_serve`) that imported torch, torch._dynamo and what torch.compile imports at its first call
-once; each rank would otherwise spend ~2 s of CPU importing them (~1.4 s more in recipe (f)). Elsewhere each rank is started as `python -E -s recipe.py`.
+`run_recipe` copies a recipe's files (`drift.readme_recipes()`) into a folder, appends a line
+that saves each rank's params, and starts the ranks as torchrun would (RANK, WORLD_SIZE, a port
+the OS picked). Each rank runs as `python -E -s recipe.py` in that folder: nothing of this repo is
+imported before the snippet. On Linux the ranks fork from one launcher process per session
+(this file run as a script, `_serve`) that imported torch and what torch.compile needs once
+(~2 s of CPU per rank otherwise). The references train the same model on the whole batch in
+one process, written from the recipes' descriptions, not from their code.
 """
 import atexit
 import json
 import os
-import re
 import runpy
 import shutil
 import signal
@@ -34,45 +28,9 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
-_TAG = re.compile(r"<!-- recipe (\w+): ([^>]*?) -->\n```python\n(.*?)```", re.S)
 _SAVE = ("\n# added by the test: each rank's params after the snippet\nimport os\n"
          "torch.save([p.detach().clone() for p in model.parameters()], "
          "f\"params_rank{os.environ['RANK']}.pt\")\n")
-
-
-def doc_files():
-    """README.md and every docs/*.md, as paths relative to the repo root."""
-    return [Path("README.md")] + sorted(p.relative_to(REPO) for p in (REPO / "docs").glob("*.md"))
-
-
-def readme_recipes():
-    """{name: (files to copy, snippet source)} for every tagged recipe in README.md and
-    docs/*.md. Raises ValueError if two blocks carry the same name."""
-    found = {}
-    for doc in doc_files():
-        for m in _TAG.finditer((REPO / doc).read_text()):
-            if m.group(1) in found:
-                raise ValueError(f"recipe {m.group(1)!r} is tagged twice (again in {doc})")
-            found[m.group(1)] = (m.group(2).split(), m.group(3))
-    return found
-
-
-_FENCE = re.compile(r"^```python\n", re.M)
-_MARK = re.compile(r"<!-- (recipe \w+: [^>]*?|not run: [^>]+?) -->\n$")
-
-
-def fenced_python_blocks():
-    """[(doc, line number, the marker line above the block or None)] for every ```python
-    block of README.md and docs/*.md. A block is run by a test when its marker is
-    `<!-- recipe NAME: files -->`; `<!-- not run: reason -->` says why it is not."""
-    blocks = []
-    for doc in doc_files():
-        text = (REPO / doc).read_text()
-        for m in _FENCE.finditer(text):
-            before = text[:m.start()]
-            mark = _MARK.search(before[before.rstrip("\n").rfind("\n") + 1:])
-            blocks.append((str(doc), before.count("\n") + 1, mark and mark.group(1)))
-    return blocks
 
 
 def _free_port():
@@ -81,11 +39,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_recipe(folder, files, source, world, timeout=90, save=True):
-    """Copy `files` (files or folders of the repo) into `folder`, write `source` (plus the
-    save line) as recipe.py, run it on `world` ranks; return (returncodes, outputs, params by
-    rank or None). Kills every rank after `timeout` seconds (its returncode is then None).
-    Raises RuntimeError if the launcher process itself failed, with its error output."""
+def run_recipe(folder, files: list, source: str, world: int, timeout: float = 90,
+               save: bool = True) -> tuple:
+    """Copy `files` into `folder`, write `source` (plus the save line) as recipe.py, run it
+    on `world` ranks, killed after `timeout` s. -> (returncodes, None if killed; outputs;
+    params by rank or None). RuntimeError with its output if the launcher failed."""
     folder = Path(folder)
     for name in files:
         src = REPO / name
@@ -127,10 +85,9 @@ def _run_spawned(folder, world, timeout, env):
 
 
 class _Launcher:
-    """This file run as a script (`_serve`) in a process of its own: one JSON request per line
-    on its stdin, one JSON reply per line on its stdout."""
+    """This file run as a script (`_serve`): one JSON request a line in, one reply out."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "RELGRAD"))}
         env.update(OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="0")  # read at torch's import
         self._cwd = tempfile.mkdtemp(prefix="relgrad_recipes_")  # sys.path[0] of no recipe
@@ -177,10 +134,7 @@ def _launcher():
 
 
 def _serve():
-    """The launcher's loop: for each request, fork one process per rank, each running the
-    folder's recipe.py as `python -E -s recipe.py` from that folder would (its stdout and
-    stderr to one file, its exit status as the returncode); reply with the returncodes (None
-    for a rank killed at the timeout) and outputs."""
+    """The launcher's loop: each request's ranks forked and run (`_run_request`), one reply."""
     import torch._dynamo  # noqa: F401 (torch.optim imports it at the first optimizer built)
     # what recipe (f)'s torch.compile(backend="aot_eager") imports at its first call (~1.4 s
     # of CPU in each rank otherwise; its compile itself then takes ~0.5 s)
@@ -190,39 +144,42 @@ def _serve():
     import torch._inductor.compile_fx  # noqa: F401
     out_dir = tempfile.mkdtemp(prefix="relgrad_recipe_out_")
     for line in sys.stdin:
-        request = json.loads(line)
-        world, files = request["world"], []
-        pids = []
-        for rank in range(world):
-            files.append(os.path.join(out_dir, f"rank{rank}.out"))
-            pid = os.fork()
-            if pid == 0:
-                _rank(request, rank, files[-1])  # never returns
-            pids.append(pid)
-        deadline, codes = time.monotonic() + request["timeout"], [None] * world
-        while any(c is None for c in codes) and time.monotonic() < deadline:
-            for i, pid in enumerate(pids):
-                if codes[i] is None:
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                    if done:
-                        codes[i] = os.waitstatus_to_exitcode(status)
-            time.sleep(0.02)
-        for i, pid in enumerate(pids):
-            if codes[i] is None:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-        outputs = []
-        for name in files:
-            with open(name, encoding="utf-8", errors="replace") as f:
-                outputs.append(f.read())
-            os.remove(name)
-        sys.stdout.write(json.dumps({"codes": codes, "outputs": outputs}) + "\n")
+        sys.stdout.write(json.dumps(_run_request(json.loads(line), out_dir)) + "\n")
         sys.stdout.flush()
 
 
+def _run_request(request, out_dir):
+    """Fork a process per rank, each running recipe.py as `python -E -s` would there.
+    -> {"codes": exit statuses (None: killed at the timeout), "outputs"}"""
+    world, files, pids = request["world"], [], []
+    for rank in range(world):
+        files.append(os.path.join(out_dir, f"rank{rank}.out"))
+        pid = os.fork()
+        if pid == 0:
+            _rank(request, rank, files[-1])  # never returns
+        pids.append(pid)
+    deadline, codes = time.monotonic() + request["timeout"], [None] * world
+    while any(c is None for c in codes) and time.monotonic() < deadline:
+        for i, pid in enumerate(pids):
+            if codes[i] is None:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[i] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    for i, pid in enumerate(pids):
+        if codes[i] is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    outputs = []
+    for name in files:
+        with open(name, encoding="utf-8", errors="replace") as f:
+            outputs.append(f.read())
+        os.remove(name)
+    return {"codes": codes, "outputs": outputs}
+
+
 def _rank(request, rank, out_file):
-    """In a forked child: become rank `rank` of the recipe in `request["folder"]`, run it,
-    exit with its status."""
+    """In a forked child: become rank `rank` of the recipe, run it, exit with its status."""
     code = 1
     try:
         fd = os.open(out_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -237,19 +194,7 @@ def _rank(request, rank, out_file):
         os.chdir(request["folder"])
         sys.argv = ["recipe.py"]
         sys.path[0] = request["folder"]  # as `python recipe.py` run in the folder has it
-        try:
-            runpy.run_path("recipe.py", run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if not isinstance(e.code, (int, type(None))):
-                print(e.code, file=sys.stderr)
-        except BaseException as e:  # noqa: BLE001 (what python prints for an uncaught error)
-            tb = e.__traceback__  # from the snippet's frame on, as `python recipe.py` shows
-            while tb is not None and tb.tb_frame.f_code.co_filename in (__file__,
-                                                                         "<frozen runpy>"):
-                tb = tb.tb_next
-            traceback.print_exception(type(e), e, tb)
+        code = _run_snippet()
         atexit._run_exitfuncs()
     finally:
         try:
@@ -259,6 +204,24 @@ def _rank(request, rank, out_file):
             os._exit(code)
 
 
+def _run_snippet():
+    """Run ./recipe.py as `__main__`; its exit status, an uncaught error printed as python does."""
+    try:
+        runpy.run_path("recipe.py", run_name="__main__")
+        return 0
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException as e:  # noqa: BLE001 (what python prints for an uncaught error)
+        tb = e.__traceback__  # from the snippet's frame on, as `python recipe.py` shows
+        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
+            tb = tb.tb_next
+        traceback.print_exception(type(e), e, tb)
+        return 1
+
+
 # ---------------------------------------------------------------- one-process references
 
 def _mlp():
@@ -266,16 +229,24 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
 
 
+def pipeline_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
+                               torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+
 def _batch(step, rows):
     g = torch.Generator().manual_seed(step)
     return torch.randn(rows, 16, generator=g), torch.randn(rows, 4, generator=g)
 
 
-def reference(model, steps, rows, sched=False, clip=None, paddle_clip=None):
-    """Plain torch, one process, the whole batch of `rows` per step: AdamW(lr 1e-2), optional
-    StepLR(2, 0.5), torch's clip_grad_norm_(clip) or Paddle's coefficient (paddle_clip).
-    Returns the params after the last step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def reference(model: torch.nn.Module, steps, rows: int = 16, sched: bool = False,
+              clip: float | None = None, paddle_clip: float | None = None, opt=None,
+              norms: list | None = None) -> list:
+    """Plain torch on the whole batch: `opt` or AdamW(1e-2), StepLR(2, 0.5) if `sched`,
+    torch's clip or Paddle's (norms to `norms`). -> the params after the last step"""
+    if opt is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if sched else None
     for step in steps:
         x, y = _batch(step, rows)
@@ -284,6 +255,7 @@ def reference(model, steps, rows, sched=False, clip=None, paddle_clip=None):
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         if paddle_clip is not None:  # Paddle's: clip / (max(norm, clip) + 1e-6), also below
             norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt()
+            norms.append(norm.item())
             coef = paddle_clip / (torch.maximum(norm, torch.tensor(paddle_clip)) + 1e-6)
             for p in model.parameters():
                 p.grad.mul_(coef)
@@ -294,18 +266,15 @@ def reference(model, steps, rows, sched=False, clip=None, paddle_clip=None):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def pipeline_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
-                               torch.nn.GELU(), torch.nn.Linear(32, 4))
+def _add(sums, grads):
+    """`grads` added to `sums` item by item (`grads` itself for the first)."""
+    return grads if sums is None else [a + b for a, b in zip(sums, grads)]
 
 
-def main_grad_reference(model, steps, rows, world, acc):
-    """Plain torch, one process, for recipe (e): the model in bf16, fp32 master copies stepped
-    by AdamW(lr 1e-2). Per step each of `world` replicas (its chunk of the batch) sums its
-    `acc` micro-batches' grads of loss/acc in fp32, micro-batch by micro-batch; the replicas'
-    sums are added in replica order and scaled by 1/world; the masters are copied back into the
-    bf16 params. Returns the bf16 params after the last step."""
+def main_grad_reference(model: torch.nn.Module, steps, rows: int, world: int,
+                        acc: int) -> list:
+    """Recipe (e) in one process: bf16 params, fp32 masters under AdamW(1e-2), each
+    replica's fp32 grads summed in order, scaled by 1/world. -> the bf16 params"""
     model.to(torch.bfloat16)
     params = list(model.parameters())
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
@@ -317,11 +286,10 @@ def main_grad_reference(model, steps, rows, world, acc):
             replica = None
             for xm, ym in zip(xr.chunk(acc), yr.chunk(acc)):
                 (F.mse_loss(model(xm.to(torch.bfloat16)).float(), ym) / acc).backward()
-                grads = [p.grad.float() for p in params]
+                replica = _add(replica, [p.grad.float() for p in params])
                 for p in params:
                     p.grad = None
-                replica = grads if replica is None else [a + b for a, b in zip(replica, grads)]
-            total = replica if total is None else [a + b for a, b in zip(total, replica)]
+            total = _add(total, replica)
         for master, grad in zip(masters, total):
             master.grad = grad * (1.0 / world)
         opt.step()

@@ -1,8 +1,6 @@
-"""Rank-side checks of the recovery rule: a step that fails, fails on every rank of the job,
-leaves every rank in the same state, and after the documented clear training goes on as one
-process that skipped the refused step. Groups (and the store) get short timeouts, so that a
-hang ends as an error within seconds; a bad step seen differently across ranks raises here
-(naming what each rank saw), since the ranks cannot go on in step after it."""
+"""Rank-side checks of the recovery rule: a refused step is refused on every rank, changes
+nothing, and after the documented clear training goes on as one process that skipped it.
+Groups and the store get short timeouts (WAIT), so a hang ends as an error."""
 import contextlib
 import time
 from datetime import timedelta
@@ -14,10 +12,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline import PipelineParallel
-from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig
+from relgrad import HybridCommunicateGroup
 from relgrad_checks.common import _data, _io, _mlp, _mse, _pipe_layers, _strategy
-from relgrad_checks.failures import _caught
-from relgrad_checks.loops import _CLASSES, SIZES, _micro_batches, _sharded
+from relgrad_checks.loops import (CLASSES, SIZES, backward, caught, cases, clear, own_strategy,
+                                  params, sharded)
 from relgrad_extras.interleave import PipelineParallelWithInterleave
 
 WAIT = timedelta(seconds=8)  # groups' and store's timeout in a scenario (a shared machine)
@@ -26,7 +24,7 @@ LR, ACC, MBS, BATCH = 1e-2, 2, 2, 8
 
 @contextlib.contextmanager
 def _short_store_waits():
-    """The default store's waits bounded by WAIT for the scenario."""
+    """The default store's waits bounded by WAIT inside."""
     store = dist.distributed_c10d._get_default_store()
     old = store.timeout
     store.set_timeout(WAIT)
@@ -44,19 +42,8 @@ def _refused_alike(seen):
         raise AssertionError(f"the bad step was not refused alike on every rank: {every}")
 
 
-def _clear(opt, release):
-    """The documented recovery: drop the grads (release on) or zero them (release off)."""
-    opt.zero_grad() if release else opt.zero_grad(set_to_none=False)
-
-
-def _params(model):
-    return [p.detach().clone() for p in model.parameters()]
-
-
 def _one_process(model, steps, batch, replicas, acc, lr=LR):
-    """One process, AdamW(lr), each of `steps`' whole batch, its grads summed as the ranks sum
-    them: per replica over `acc` micro-batches of loss/acc, then the replicas' sums added and
-    scaled by 1/replicas (as the collectives do). Returns the params."""
+    """One process, AdamW(lr) over `steps`, summing grads as the ranks do. -> params"""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for step in steps:
         x, y = _data(step, batch, *_io(model))
@@ -65,43 +52,46 @@ def _one_process(model, steps, batch, replicas, acc, lr=LR):
             for xm, ym in zip(xr.chunk(acc), yr.chunk(acc)):
                 (F.mse_loss(model(xm), ym) / acc).backward()
             grads = [p.grad for p in model.parameters()]
-            sums = grads if sums is None else [a if a is None else a + b
-                                               for a, b in zip(sums, grads)]
+            if sums is None:
+                sums = grads
+            else:
+                sums = [a if a is None else a + b for a, b in zip(sums, grads)]
             opt.zero_grad()
         for p, g in zip(model.parameters(), sums):
             p.grad = None if g is None else g * (1.0 / replicas)
         opt.step()
         opt.zero_grad()
-    return _params(model)
+    return params(model)
+
+
+def _freed(model, opt, release):
+    """Whether every fused buffer (the pipeline's, the optimizer's) is freed, with release."""
+    buffers = [b for bs in getattr(model, "_chunk_2_comm_buffers", {}).values() for b in bs]
+    buffers += getattr(opt, "comm_buffers", [])
+    return not release or all(b.grad_storage is None for b in buffers)
 
 
 def _bad_step(model, opt, change, release, run):
-    """`change(model, opt, True)`, `run()` (caught), `change(model, opt, False)`, then the
-    clear. Returns (error, params unchanged by it, every fused buffer freed with release (the
-    pipeline's and, under it, the optimizer's at once; its own by the clear), seconds)."""
-    def freed():
-        buffers = [b for bs in getattr(model, "_chunk_2_comm_buffers", {}).values() for b in bs]
-        buffers += getattr(opt, "comm_buffers", [])
-        return not release or all(b.grad_storage is None for b in buffers)
-
+    """`change` on, `run()` caught, `change` off, the clear.
+    -> (error, params unchanged, buffers freed (the pipeline's at once), seconds)"""
     change(model, opt, True)
-    before, start = _params(model), time.monotonic()
-    seen = _caught(run)
-    seconds, after = time.monotonic() - start, _params(model)
-    at_once = freed() if isinstance(model, PipelineParallel) else True
+    before, start = params(model), time.monotonic()
+    seen = caught(run)
+    seconds, after = time.monotonic() - start, params(model)
+    at_once = _freed(model, opt, release) if isinstance(model, PipelineParallel) else True
     change(model, opt, False)
     _refused_alike(seen)
-    _clear(opt, release)
-    return seen, all(map(torch.equal, before, after)), at_once and freed(), seconds
+    clear(opt, release)
+    return seen, all(map(torch.equal, before, after)), at_once and _freed(model, opt, release), \
+        seconds
 
 
 # ---------------------------------------------------------------- under the pipeline
 
 class Wrapped(nn.Module):
-    """`layer` run as `mode` says: "plain", "no_bias" (its bias gets no grad), "reentrant" /
-    "non_reentrant" (under torch.utils.checkpoint; reentrant on data: its params get none)."""
+    """`layer` run as `mode` says: plain, no_bias, (non_)reentrant under a checkpoint."""
 
-    def __init__(self, layer, mode="plain"):
+    def __init__(self, layer: nn.Module, mode: str = "plain") -> None:
         super().__init__()
         self.layer, self.mode = layer, mode
 
@@ -114,13 +104,13 @@ class Wrapped(nn.Module):
 
 
 def _pipe_recovery(st, cls, change, make_layers=_pipe_layers, steps=4, bad=1, lr=LR):
-    """Train `steps` batches of `make_layers()`, AdamW(lr) wrapped in `cls` (None: plain);
-    batch `bad` through `_bad_step`. Returns (its error, unchanged, freed, the params at the
-    end, one process over the other batches (this stage's part), this stage's bucket sizes)."""
+    """`steps` batches under the pipeline, batch `bad` through `_bad_step`. -> (error,
+    unchanged, freed, params, one process's for this stage, this stage's bucket sizes)"""
     hcg = HybridCommunicateGroup(st, timeout=WAIT)
     model = PipelineParallel(make_layers(), hcg, st, _mse)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    opt = cls(opt, hcg, st) if cls else opt
+    if cls:
+        opt = cls(opt, hcg, st)
     replicas = st.dp_degree * st.sharding_degree
     replica = hcg.get_data_parallel_rank() * st.sharding_degree \
         + hcg.get_sharding_parallel_rank()
@@ -137,13 +127,12 @@ def _pipe_recovery(st, cls, change, make_layers=_pipe_layers, steps=4, bad=1, lr
                         replicas, ACC, lr)
     counts = [len(list(layer.parameters())) for layer in whole]
     cut = [len(counts) * s // st.pp_degree for s in (model.stage_id, model.stage_id + 1)]
-    return (*seen[:3], _params(model), want[sum(counts[: cut[0]]): sum(counts[: cut[1]])],
-            [len(b.params) for bs in model._chunk_2_comm_buffers.values() for b in bs])
+    sizes = [len(b.params) for bs in model._chunk_2_comm_buffers.values() for b in bs]
+    return (*seen[:3], params(model), want[sum(counts[: cut[0]]): sum(counts[: cut[1]])], sizes)
 
 
 def _layouts(family, versions=(1, 2), overlaps=(False, True)):
-    """(case, strategy, optimizer class) of pp 2 x dp 2 ("dp", dp overlap off / on) or pp 2 x
-    sharding 2 ("sharding": v1 / v2, sharding overlap off / on), release off and on."""
+    """(case, strategy, class) of pp 2 x dp 2 or pp 2 x sharding 2, release off / on."""
     for release in (False, True):
         for overlap in overlaps:
             if family == "dp":
@@ -152,12 +141,11 @@ def _layouts(family, versions=(1, 2), overlaps=(False, True)):
             for version in versions if family == "sharding" else ():
                 yield (f"v{version} overlap={overlap} release={release}", _strategy(
                     pp=2, sharding=2, acc=ACC, release=release, split_param=version == 2,
-                    sharding_comm_overlap=overlap), _CLASSES[version])
+                    sharding_comm_overlap=overlap), CLASSES[version])
 
 
-def lr_on_one_stage(rank, world, family):
-    """Each of `_layouts(family)`: the last rank (on stage 1) sets its lr 1.25x by hand for
-    batch 1, back after. Returns {case: _pipe_recovery's result}."""
+def lr_on_one_stage(rank: int, world: int, family: str) -> dict:
+    """The last rank sets its lr 1.25x for batch 1. -> {case: _pipe_recovery's}"""
     def change(model, opt, bad):
         opt.param_groups[0]["lr"] = LR * 1.25 if bad and rank == world - 1 else LR
 
@@ -171,10 +159,8 @@ def _frozen_bias_layers():
     return layers
 
 
-def unfrozen_on_one_stage(rank, world):
-    """pp 2 x sharding 2, v2 (sharding overlap off / on, release off / on): layer 4's bias
-    frozen when built, unfrozen on stage 1 (which holds it) for batch 1, frozen again after.
-    Returns {case: _pipe_recovery's result (the oracle's bias frozen throughout)}."""
+def unfrozen_on_one_stage(rank: int, world: int) -> dict:
+    """v2: a bias frozen at build unfrozen on its stage for batch 1. -> {case: ...}"""
     def change(model, opt, bad):
         if model.stage_id == 1:
             model._layers[1].bias.requires_grad_(bad)
@@ -190,10 +176,8 @@ def _wrapped_layers(index):
     return layers
 
 
-def free_in_comm_pipeline(rank, world):
-    """pp 2 x sharding 2, sharding overlap + free_grads_in_comm, release on, v1 / v2: in batch
-    1 the last Linear's bias gets no grad on global rank 3 (refused by the schedule's end
-    agreement). Returns {case: _pipe_recovery's result}."""
+def free_in_comm_pipeline(rank: int, world: int) -> dict:
+    """free_grads_in_comm: the last bias gets no grad on rank 3 in batch 1. -> {case: ...}"""
     def change(model, opt, bad):
         if rank == 3:
             model._layers[3].mode = "no_bias" if bad else "plain"
@@ -207,10 +191,8 @@ def free_in_comm_pipeline(rank, world):
     return out
 
 
-def reentrant_checkpoint(rank, world):
-    """pp 2 x sharding 2, sharding overlap, v1 / v2, release off / on: in batch 1 stage 0's
-    first Linear (weight (8, 6)) runs under a reentrant checkpoint on data (its params get no
-    grad), then under use_reentrant=False. Returns {case: _pipe_recovery's result}."""
+def reentrant_checkpoint(rank: int, world: int) -> dict:
+    """Stage 0's first Linear under a reentrant checkpoint in batch 1. -> {case: ...}"""
     def change(model, opt, bad):
         if model.stage_id == 0:
             model._layers[0].mode = "reentrant" if bad else "non_reentrant"
@@ -225,7 +207,7 @@ def reentrant_checkpoint(rank, world):
 class Branchy(nn.Module):
     """`head(tanh(a(x))) + branch(x)`; the branch left out while `use_branch` is False."""
 
-    def __init__(self, d_in, d_hidden, d_out, seed=0):
+    def __init__(self, d_in: int, d_hidden: int, d_out: int, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.a, self.head = nn.Linear(d_in, d_hidden), nn.Linear(d_hidden, d_out)
@@ -237,25 +219,17 @@ class Branchy(nn.Module):
 
 
 SMALL, LARGE = (4, 8, 3), (512, 512, 512)  # LARGE: 1 MiB weights (one bucket each at 1 MB)
-
-
-def _own_strategy(version, release, acc=1, free=False, size_mb=None):
-    return HybridStrategy(sharding_degree=2, pp_configs=PpConfig(release_gradients=release),
-                          sharding_configs=DygraphShardingConfig(
-                              split_param=version == 2, comm_overlap=True, accumulate_steps=acc,
-                              release_gradients=release, free_grads_in_comm=free,
-                              comm_buffer_size_MB=size_mb))
+_VERSIONS_RELEASES = list(cases(("v", (1, 2)), ("release", (False, True))))
 
 
 def _own_recovery(st, make_model, change, steps=4, bad=1, lr=LR):
-    """Sharding's own overlap on 2 ranks, `make_model()`, AdamW(lr): `steps` steps, step `bad`
-    through `_bad_step`. Returns (its error, unchanged, freed, the params at the end, one
-    process over the other steps, the buckets' sizes, the bad step's seconds)."""
+    """`steps` steps of own overlap on 2 ranks, step `bad` through `_bad_step`. -> (error,
+    unchanged, freed, params, one process's, bucket sizes, the bad step's seconds)"""
     hcg = HybridCommunicateGroup(st, timeout=WAIT)
     model, config = make_model(), st.sharding_configs
-    opt = _CLASSES[2 if config.split_param else 1](
+    opt = CLASSES[2 if config.split_param else 1](
         torch.optim.AdamW(model.parameters(), lr=lr), hcg, st)
-    acc, release = config.accumulate_steps, st.pp_configs.release_gradients
+    acc, release = config.accumulate_steps, config.release_gradients
 
     def one_step(step):
         x, y = (t.chunk(2)[dist.get_rank()] for t in _data(step, BATCH, *_io(model)))
@@ -267,57 +241,51 @@ def _own_recovery(st, make_model, change, steps=4, bad=1, lr=LR):
     for step in range(steps):
         if step != bad:
             one_step(step)
-            _clear(opt, release)
+            clear(opt, release)
         else:
             seen = _bad_step(model, opt, change, release, lambda: one_step(step))
     want = _one_process(make_model(), [s for s in range(steps) if s != bad], BATCH, 2, acc, lr)
-    return (*seen[:3], _params(model), want, [len(b.params) for b in opt.comm_buffers],
-            seen[3])
+    return (*seen[:3], params(model), want, [len(b.params) for b in opt.comm_buffers], seen[3])
 
 
 def _branch_left_out(model, opt, bad):
     model.use_branch = not bad or dist.get_rank() != 1  # rank 1's backward skips it
 
 
-def free_in_comm_own(rank, world, version, case):
-    """free_grads_in_comm (release on), v1 / v2, Branchy(*LARGE) (several buckets): in step 1
-    rank 1 leaves the branch out ("branch"), or sets another lr ("lr": refused once every
-    bucket was issued). Returns _own_recovery's result."""
+def free_in_comm_own(rank: int, world: int, version: int, case: str) -> tuple:
+    """free_grads_in_comm, Branchy(*LARGE): rank 1 leaves the branch out or sets another
+    lr. -> _own_recovery's"""
     def other_lr(model, opt, bad):
         opt.param_groups[0]["lr"] = LR * 1.25 if bad and rank == 1 else LR
 
+    st = own_strategy(2, version, free_grads_in_comm=True, comm_buffer_size_MB=1)
     with _short_store_waits():
-        return _own_recovery(_own_strategy(version, True, free=True, size_mb=1),
-                             lambda: Branchy(*LARGE),
+        return _own_recovery(st, lambda: Branchy(*LARGE),
                              _branch_left_out if case == "branch" else other_lr)
 
 
-def unused_branch_named(rank, world):
-    """Own overlap, acc 2, v1 / v2, release off / on, Branchy(*SMALL): rank 1 leaves the
-    branch (weight (3, 4)) out in step 1. Returns {case: _own_recovery's result}."""
+def unused_branch_named(rank: int, world: int) -> dict:
+    """Own overlap, acc 2: rank 1 leaves the branch out in step 1. -> {case: ...}"""
     with _short_store_waits():
-        return {f"v{v} release={r}": _own_recovery(_own_strategy(v, r, acc=ACC),
-                                                   lambda: Branchy(*SMALL), _branch_left_out)
-                for v in (1, 2) for r in (False, True)}
+        return {case: _own_recovery(own_strategy(2, v, acc=ACC, release=r),
+                                    lambda: Branchy(*SMALL), _branch_left_out)
+                for case, (v, r) in _VERSIONS_RELEASES}
 
 
-def frozen_after_build(rank, world):
-    """Own overlap, v1 / v2, release off / on, Branchy(*SMALL): the branch frozen on every
-    rank for step 1 (after build), unfrozen after it. Returns {case: _own_recovery's result}."""
+def frozen_after_build(rank: int, world: int) -> dict:
+    """Own overlap: the branch frozen on every rank for step 1. -> {case: ...}"""
     def freeze(model, opt, bad):
         model.branch.requires_grad_(not bad)
 
     with _short_store_waits():
-        return {f"v{v} release={r}": _own_recovery(_own_strategy(v, r), lambda: Branchy(*SMALL),
-                                                   freeze)
-                for v in (1, 2) for r in (False, True)}
+        return {case: _own_recovery(own_strategy(2, v, release=r), lambda: Branchy(*SMALL),
+                                    freeze) for case, (v, r) in _VERSIONS_RELEASES}
 
 
 # ---------------------------------------------------------------- the store does not grow
 
 def _key_counts(step, steps=10):
-    """The default store's key count after each of `steps` calls `step(k)` (every rank done
-    with step k before any counts, and with counting before step k + 1)."""
+    """The default store's key count after each of `steps` calls `step(k)`."""
     store, counts = dist.distributed_c10d._get_default_store(), []
     for k in range(steps):
         step(k)
@@ -327,29 +295,25 @@ def _key_counts(step, steps=10):
     return counts
 
 
-def store_keys_own_overlap(rank, world):
-    """2 ranks: key counts over 10 steps of sharding's own overlap (v1 / v2, release off /
-    on) and of plain torch (AdamW, an all-reduce per grad). Returns {case: counts}."""
+def store_keys_own_overlap(rank: int, world: int) -> dict:
+    """Key counts over 10 steps of own overlap and of plain torch. -> {case: counts}"""
     def loop(model, opt, release, reduce=False):
         def step(k):
-            for x, y in _micro_batches(rank, world, k, 1):
-                F.mse_loss(model(x), y).backward()
+            backward(model, rank, world, k)
             for p in model.parameters() if reduce else ():
                 dist.all_reduce(p.grad)
             opt.step()
-            _clear(opt, release)
+            clear(opt, release)
         return _key_counts(step)
 
-    out = {f"v{v} release={r}": loop(*_sharded(world, v, True, 1, r), r)
-           for v in (1, 2) for r in (False, True)}
+    out = {case: loop(*sharded(world, v, True, 1, r), r) for case, (v, r) in _VERSIONS_RELEASES}
     model = _mlp(SIZES)
     out["plain torch"] = loop(model, torch.optim.AdamW(model.parameters(), lr=LR), True, True)
     return out
 
 
-def store_keys_train_batch(rank, world):
-    """pp 2 x sharding 2: key counts over 10 train_batch calls (v1 / v2, sharding overlap,
-    release off / on). Returns {case: counts}."""
+def store_keys_train_batch(rank: int, world: int) -> dict:
+    """Key counts over 10 train_batch calls of pp 2 x sharding 2. -> {case: counts}"""
     out = {}
     for case, st, cls in _layouts("sharding", overlaps=(True,)):
         hcg = HybridCommunicateGroup(st)
@@ -363,11 +327,9 @@ def store_keys_train_batch(rank, world):
 
 # ---------------------------------------------------------------- one Parameter in two chunks
 
-def param_in_two_chunks(rank, world):
-    """PipelineParallelWithInterleave, pp 2, 2 virtual stages, one nn.Linear at layers 0 and
-    4 (chunks 0 and 2, both on stage 0): pp 2 x sharding 2 (v2, sharding overlap) and pp 2 x
-    dp 2 (dp overlap), release off / on. Returns {case: (what construction raised, what a
-    train_batch raised after a construction that did not)}."""
+def param_in_two_chunks(rank: int, world: int) -> dict:
+    """Interleave: one nn.Linear at layers 0 and 4. -> {case: (construction's error,
+    a later train_batch's)}"""
     out = {}
     with _short_store_waits():
         for case, st, cls in [*_layouts("sharding", (2,), (True,)), *_layouts("dp", (), (True,))]:
@@ -377,12 +339,13 @@ def param_in_two_chunks(rank, world):
             shared, built, later = nn.Linear(8, 8), [], None
             layers = [shared, nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), shared, nn.Tanh(),
                       nn.Linear(8, 8)]
-            seen = _caught(lambda: built.append(
+            seen = caught(lambda: built.append(
                 PipelineParallelWithInterleave(layers, hcg, st, _mse)))
             if built:
                 opt = torch.optim.AdamW(built[0].parameters(), lr=LR)
-                later = _caught(built[0].train_batch, _data(0, ACC * MBS, 8, 8),
-                                cls(opt, hcg, st) if cls else opt)
+                if cls:
+                    opt = cls(opt, hcg, st)
+                later = caught(built[0].train_batch, _data(0, ACC * MBS, 8, 8), opt)
             out[case] = (seen, later)
             dist.barrier()  # on WORLD (its long timeout): every rank done with the case
     return out
@@ -396,17 +359,16 @@ def _lone_layers():
     return [nn.Linear(512, 528), nn.Tanh(), nn.Linear(528, 8), nn.Tanh(), nn.Linear(8, 4)]
 
 
-def lone_weight(rank, world):
-    """comm_buffer_size_MB=1, AdamW(1e-3), 3 steps of acc 2, v1 / v2, release off / on: own
-    overlap (2 ranks) or pp 2 x sharding 2 with sharding overlap (4 ranks; the weight on stage
-    0). Returns {case: (params, one process summing as the ranks sum, this rank's bucket
-    sizes)}."""
-    if world == 2:
-        cases = ((f"v{v} release={r}", _own_strategy(v, r, acc=ACC, size_mb=1))
-                 for v in (1, 2) for r in (False, True))
-        return {case: _own_recovery(st, lambda: nn.Sequential(*_lone_layers()), None, 3, None,
-                                    1e-3)[3:6] for case, st in cases}
+def lone_weight(rank: int, world: int) -> dict:
+    """comm_buffer_size_MB=1, own overlap (2 ranks) or pp 2 x sharding 2 (4).
+    -> {case: (params, one process summing as the ranks do, bucket sizes)}"""
     out = {}
+    if world == 2:
+        for case, (v, r) in _VERSIONS_RELEASES:
+            st = own_strategy(2, v, acc=ACC, release=r, comm_buffer_size_MB=1)
+            out[case] = _own_recovery(st, lambda: nn.Sequential(*_lone_layers()), None, 3,
+                                      None, 1e-3)[3:6]
+        return out
     for case, st, cls in _layouts("sharding", overlaps=(True,)):
         st.sharding_configs.comm_buffer_size_MB = 1
         out[case] = _pipe_recovery(st, cls, None, _lone_layers, 3, None, 1e-3)[3:6]

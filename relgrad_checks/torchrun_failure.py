@@ -2,8 +2,8 @@
 
 `python -m torch.distributed.run --standalone --nproc-per-node N -m
 relgrad_checks.torchrun_failure LAYOUT`, LAYOUT "pp2" (N 2) or "pp2-sharding2-v2" (N 4, the
-pipeline's sharding overlap). The groups' timeout is 300 s, so a job that ends within seconds
-was ended by torchrun, not by a timeout; the failing rank's error is in torchrun's output.
+pipeline's sharding overlap). The groups' timeout is 300 s: a job that ends within seconds was
+ended by torchrun, not by a timeout.
 """
 import sys
 import time
@@ -15,14 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline import PipelineParallel
-from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig
+from relgrad import HybridCommunicateGroup
+from relgrad_checks.common import _strategy
 from sharding import DygraphShardingOptimizerV2
 
 
 class _FailingLoss:
     """MSE, but the second call on global rank `rank` raises (micro-batch 1 of step 1)."""
 
-    def __init__(self, rank):
+    def __init__(self, rank: int) -> None:
         self.rank, self.calls = rank, 0
 
     def __call__(self, out, y):
@@ -33,13 +34,11 @@ class _FailingLoss:
         return F.mse_loss(out, y)
 
 
-def main(layout):
+def main(layout: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     sharding = 2 if layout == "pp2-sharding2-v2" else 1
-    st = HybridStrategy(pp_degree=2, sharding_degree=sharding, accumulate_steps=4,
-                        pp_configs=PpConfig(sharding_comm_overlap=sharding > 1,
-                                            release_gradients=True),
-                        sharding_configs=DygraphShardingConfig(split_param=sharding > 1))
+    st = _strategy(pp=2, sharding=sharding, acc=4, release=True, split_param=sharding > 1,
+                   sharding_comm_overlap=sharding > 1)
     hcg = HybridCommunicateGroup(st)
     torch.manual_seed(0)
     model = PipelineParallel([nn.Linear(4, 4), nn.Linear(4, 4)], hcg, st,
