@@ -204,14 +204,31 @@ def hunk_rows(readme: str) -> list:
 
 
 def read_with_range(file: str, name: str) -> tuple | None:
-    """(first, last) of `name` in `file`: a qualified name or a method of one of its classes."""
+    """(first, last) of `name` in `file`: a qualified name, a method of one of its classes, or
+    the one `self.name = ...` line (with the comment block above it) that sets an attribute."""
     found = actual_range(file, name)
     if found is not None:
         return found
     for node in ast.parse((REPO / file).read_text()).body:
         if isinstance(node, ast.ClassDef) and actual_range(file, f"{node.name}.{name}"):
             return actual_range(file, f"{node.name}.{name}")
-    return None
+    return _attribute_range(file, name)
+
+
+def _attribute_range(file, name):
+    source = (REPO / file).read_text()
+    sets = []
+    for node in _statements(source):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if any(getattr(t, "attr", None) == name for t in targets):
+            sets.append(node)
+    if len(sets) != 1:
+        return None
+    lines = source.splitlines()
+    first = sets[0].lineno
+    while first > 1 and lines[first - 2].strip().startswith("#"):
+        first -= 1
+    return first, sets[0].end_lineno
 
 
 @functools.lru_cache(maxsize=None)
