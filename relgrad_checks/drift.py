@@ -182,10 +182,11 @@ def heading_anchors(text: str) -> set:
 
 # ---------------------------------------------------------------- the hunk table
 
-_RANGES = r"`([\w/]+\.py):((?:\d+-\d+)(?:, \d+-\d+)*)`"
+_RANGES = r"`((?:\d+-\d+)(?:, \d+-\d+)*)`"  # the hunk's lines, in the row's file
 _ROW = re.compile(r"^\| (\d+) \| (.*?) \| (.*?) \| `([\w/]+\.py): ([\w.]+)` \| " + _RANGES
                   + r" \| ?(.*?) ?\|$", re.M)
-_READ = re.compile(r"`([\w.]+)` (\d+-\d+)")  # "read with": a name and its range, the row's file
+# "read with": a name (in the row's file, or in `file.py: name`'s) and its range
+_READ = re.compile(r"`(?:([\w/]+\.py): )?([\w.]+)` (\d+-\d+)")
 
 
 def _parse_ranges(text):
@@ -197,10 +198,10 @@ def _format_ranges(ranges):
 
 
 def hunk_rows(readme: str) -> list:
-    """[(row, hunk text, file, qualified name, [(first, last)], range file, read with)]
+    """[(row, hunk text, file, qualified name, [(first, last)], read with)]
     of the README's hunk table."""
-    return [(int(m.group(1)), m.group(2), m.group(4), m.group(5), _parse_ranges(m.group(7)),
-             m.group(6), m.group(8)) for m in _ROW.finditer(readme)]
+    return [(int(m.group(1)), m.group(2), m.group(4), m.group(5), _parse_ranges(m.group(6)),
+             m.group(7)) for m in _ROW.finditer(readme)]
 
 
 def read_with_range(file: str, name: str) -> tuple | None:
@@ -304,31 +305,40 @@ def _is_field(source, qualname):
     return isinstance(node, ast.AnnAssign)
 
 
-def _mark(hunk):
-    point = re.search(r"point (\d)", hunk)
-    return (f"# Seed hunk (reconstructed, point {point.group(1)}):" if point
-            else "Seed hunk")
+def _marks(hunk):
+    points = re.findall(r"point (\d)", hunk)  # a row may hold two points of one method
+    if not points:
+        return ["Seed hunk"]
+    return [f"# Seed hunk (reconstructed, point {point}):" for point in points]
+
+
+def _hunk_ranges(file, qualname, hunk):
+    """`hunk_range` of each mark the row's text names, in line order; None if one is absent."""
+    ranges = []
+    for mark in _marks(hunk):
+        found = hunk_range(file, qualname, mark)
+        if found is None:
+            return None
+        ranges += found
+    return sorted(ranges)
 
 
 def check_hunk_row(row: tuple) -> str | None:
     """Why a row of the hunk table does not match the code (its names, its ranges of the
     `Seed hunk` marks, `hunk_range`), or None."""
-    number, hunk, file, qualname, ranges, range_file, read_with = row
-    for name, cited in _READ.findall(read_with):
-        actual = read_with_range(file, name)
+    number, hunk, file, qualname, ranges, read_with = row
+    for other_file, name, cited in _READ.findall(read_with):
+        actual = read_with_range(other_file or file, name)
         if actual is None:
-            return f"row {number}: read with `{name}`: {file} has none"
+            return f"row {number}: read with `{name}`: {other_file or file} has none"
         if _parse_ranges(cited) != [actual]:
             at = _format_ranges([actual])
             return f"row {number}: read with `{name}` cites {cited}, it is at {at}"
-    if range_file != file:
-        return f"row {number}: range cites {range_file}, the method is in {file}"
     if actual_range(file, qualname) is None:
         return f"row {number}: {file} has no {qualname}"
-    mark = _mark(hunk)
-    actual = hunk_range(file, qualname, mark)
+    actual = _hunk_ranges(file, qualname, hunk)
     if actual is None:
-        return f"row {number} ({qualname}): no `{mark}` comment in it"
+        return f"row {number} ({qualname}): no `{' / '.join(_marks(hunk))}` comment in it"
     if ranges != actual:
         return (f"row {number} ({qualname}): cites {file}:{_format_ranges(ranges)}, the hunk "
                 f"is at {file}:{_format_ranges(actual)}")
@@ -338,19 +348,22 @@ def check_hunk_row(row: tuple) -> str | None:
 def fix_ranges(readme: str) -> str:
     """The README with each row's ranges (and read-with ranges) set to what the code holds."""
     def fixed(m):
-        actual = hunk_range(m.group(4), m.group(5), _mark(m.group(2)))
+        actual = _hunk_ranges(m.group(4), m.group(5), m.group(2))
         if actual is None:
             return m.group(0)
-        start, end = m.span(7)[0] - m.start(), m.span(7)[1] - m.start()
+        start, end = m.span(6)[0] - m.start(), m.span(6)[1] - m.start()
         row = m.group(0)
-        read_with = _READ.sub(lambda r: _read_fixed(m.group(4), r), m.group(8))
-        read_start, read_end = m.span(8)[0] - m.start(), m.span(8)[1] - m.start()
+        read_with = _READ.sub(lambda r: _read_fixed(m.group(4), r), m.group(7))
+        read_start, read_end = m.span(7)[0] - m.start(), m.span(7)[1] - m.start()
         row = row[:read_start] + read_with + row[read_end:]
         return row[:start] + _format_ranges(actual) + row[end:]
 
     def _read_fixed(file, r):
-        actual = read_with_range(file, r.group(1))
-        return r.group(0) if actual is None else f"`{r.group(1)}` {_format_ranges([actual])}"
+        actual = read_with_range(r.group(1) or file, r.group(2))
+        if actual is None:
+            return r.group(0)
+        cited = f"{r.group(1)}: {r.group(2)}" if r.group(1) else r.group(2)
+        return f"`{cited}` {_format_ranges([actual])}"
     return _ROW.sub(fixed, readme)
 
 
