@@ -8,14 +8,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import comm_buffer
-from comm_buffer import HOOK_ACTION, FusedCommBuffer
+from comm_buffer import HOOK_ACTION, main_grad_or_grad
 from pipeline import PipelineParallel
 from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_bitwise,
-                                   _assert_close_each, _data, _io, _mlp, _mse, _oracle,
-                                   _pipe_layers, _released, _same_on_all)
+from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_bitwise, _assert_close_each,
+                                   _data, _io, _mlp, _mse, _oracle, _params, _pipe_layers,
+                                   _released, _same_on_all, _shard, _spy_buffers)
 
 
 class _SmallBucketsV2(DygraphShardingOptimizerV2):
@@ -23,6 +22,20 @@ class _SmallBucketsV2(DygraphShardingOptimizerV2):
 
     def _build_comm_buffers(self, acc_steps, group_size=None):
         super()._build_comm_buffers(acc_steps, group_size=512)
+
+
+class _SmallBucketsV1(DygraphShardingOptimizer):
+    """v1 with 1-byte buckets under comm_overlap: one bucket per param."""
+
+    def _build_owner_buffers(self, acc_steps, group_size=None):
+        super()._build_owner_buffers(acc_steps, group_size=1)
+
+
+class _OneParamBucketsV2(DygraphShardingOptimizerV2):
+    """v2 with 1-byte buckets: one bucket per param."""
+
+    def _build_comm_buffers(self, acc_steps, group_size=None):
+        super()._build_comm_buffers(acc_steps, group_size=1)
 
 
 _CLASSES = {1: DygraphShardingOptimizer, 2: _SmallBucketsV2}
@@ -36,6 +49,13 @@ def _own_strategy(sharding, acc, release, free=False, overlap=True):
                                                comm_overlap=overlap, free_grads_in_comm=free))
 
 
+def _counts(record):
+    """(bucket-size allocations, grads moved in at a first check-in) seen by `_spy_buffers`."""
+    return len(record["zeros"]), sum(first for _, first, _ in record["copies"])
+
+
+# ---------------------------------------------------------------- watching a bucket's collective
+
 def _read_part(buf, rank):
     """What this rank reads of `buf` after its collective: v2 its shard, v1 the owner all."""
     if buf._act == HOOK_ACTION.REDUCE_SCATTER:
@@ -47,11 +67,11 @@ def _read_part(buf, rank):
 
 
 def _watch(buf, record, free, timing=None, buffers=()):
-    """Wrap `buf._complete_comm` (this instance; `scale_grads` or, with free_grads_in_comm,
-    a later check-in calls it): record the read part right after the collective and, with
-    free, check that the rest is dead and the read part is a storage of its own. With
-    `timing` ({"in_backward": bool, "entries": list}), append whether this happened in
-    backward while some bucket of `buffers` was still being filled (no collective issued)."""
+    """Wrap `buf._complete_comm` (`scale_grads` or, with free_grads_in_comm, a later check-in
+    calls it): record the read part right after the collective and, with free, check that the
+    rest is dead and the read part is a storage of its own. With `timing` ({"in_backward":
+    bool, "entries": list}), append whether this happened in backward while some bucket of
+    `buffers` was still being filled (no collective issued)."""
     original = buf._complete_comm
 
     def complete_comm():
@@ -59,36 +79,20 @@ def _watch(buf, record, free, timing=None, buffers=()):
             timing["entries"].append(timing["in_backward"]
                                      and any(b._task is None for b in buffers))
         full = weakref.ref(buf.grad_storage)
-        grads = [weakref.ref(comm_buffer.main_grad_or_grad(p)) for p in buf.params]
-        muls, scaled = {name: getattr(torch.Tensor, name) for name in ("mul_", "__mul__")}, []
-
-        def counting(name):
-            def mul(tensor, *args):
-                scaled.append(tensor.numel())
-                return muls[name](tensor, *args)
-            return mul
-
-        for name in muls:
-            setattr(torch.Tensor, name, counting(name))
-        try:
-            original()
-        finally:
-            for name, fn in muls.items():
-                setattr(torch.Tensor, name, fn)
+        grads = [weakref.ref(main_grad_or_grad(p)) for p in buf.params]
+        scaled = _counting_muls(original)
         part = _read_part(buf, buf._comm_group_rank)
         buf._completions += 1  # keyed: with free the buckets complete in issue order
         record.append(((buf._watch_index, buf._completions),
                        None if part is None else part.clone()))
         # only what this rank reads is scaled (Paddle scales the whole buffer)
         assert scaled == ([] if part is None else [part.numel()]), scaled
-        if not free:
-            return
-        if part is None:  # v1, not the owner: nothing of the bucket is left
+        if free and part is None:  # v1, not the owner: nothing of the bucket is left
             assert buf.grad_storage is None and _released(full, *grads), \
                 "a non-owner still holds the reduced bucket"
-        elif buf._act == HOOK_ACTION.REDUCE:  # v1, the owner: everything stays
+        elif free and buf._act == HOOK_ACTION.REDUCE:  # v1, the owner: everything stays
             assert buf.grad_storage is full() and all(g() is not None for g in grads)
-        else:  # v2: only the shard, a storage of its own that the slice grads view
+        elif free:  # v2: only the shard, a storage of its own that the slice grads view
             assert _released(full, *grads), "the full buffer outlived the reduce-scatter"
             assert part.untyped_storage().nbytes() == part.numel() * part.element_size()
             base = part.untyped_storage().data_ptr()
@@ -105,198 +109,24 @@ def _watch(buf, record, free, timing=None, buffers=()):
 _watched = []  # one entry per watched buffer: gives each its index (the same order per run)
 
 
-def _train_own(hcg, version, strategy, steps=3, batch=24, watch=None, free=False,
-               counts=None):
-    """No pipeline: each sharding rank trains on its slice of the batch in `acc` micro-batches;
-    returns the params after each step. With free and v1 without overlap, checks after each
-    step() that only the owned params kept their grads."""
-    group_rank, nranks = dist.get_rank(), dist.get_world_size()
-    acc = strategy.sharding_configs.accumulate_steps
-    overlap = strategy.sharding_configs.comm_overlap
-    model = _mlp([6, 16, 4])
-    opt = _CLASSES[version](OPTIMIZERS["adam"](model.parameters()),
-                            hcg, _for(_CLASSES[version], strategy))
-    buffers = opt.comm_buffers
-    if watch is not None:
-        for buf in buffers:
-            _watch(buf, watch, free)
-    traj = []
-    for step in range(steps):
-        x, y = (t.chunk(nranks)[group_rank] for t in _data(step, batch, *_io(model)))
-        for k, (xb, yb) in enumerate(zip(x.chunk(acc), y.chunk(acc))):
-            assert all(b._task is None for b in buffers), "a collective fired too early"
-            (F.mse_loss(model(xb), yb) / acc).backward()
-        assert all((b._task is not None) == overlap for b in buffers), "no collective issued"
-        if counts is not None:
-            with _counting(counts, buffers):
-                opt.step()
-        else:
-            opt.step()
-        if free and version == 1 and not overlap:
-            owned = [opt._param2rank[p] == group_rank for p in model.parameters()]
-            assert [p.grad is not None for p in model.parameters()] == owned
-        opt.zero_grad(set_to_none=strategy.pp_configs.release_gradients)
-        traj.append([p.detach().clone() for p in model.parameters()])
-    return traj, model, opt
+def _counting_muls(fn):
+    """Call `fn()`; return the numel of each tensor multiplied (mul_ or *) meanwhile."""
+    muls, scaled = {name: getattr(torch.Tensor, name) for name in ("mul_", "__mul__")}, []
 
+    def counting(name):
+        def mul(tensor, *args):
+            scaled.append(tensor.numel())
+            return muls[name](tensor, *args)
+        return mul
 
-class _counting:
-    """Count torch.zeros of a bucket's size and _copy_grad_to_buffer calls inside the block."""
-
-    def __init__(self, counts, buffers):
-        self.counts, self.sizes = counts, {b.buffer_size for b in buffers}
-
-    def __enter__(self):
-        self.zeros, self.copy = torch.zeros, FusedCommBuffer._copy_grad_to_buffer
-        counts, sizes, zeros, copy_ = self.counts, self.sizes, self.zeros, self.copy
-
-        def counting_zeros(*args, **kwargs):
-            if args and args[0] in sizes:
-                counts["zeros"] += 1
-            return zeros(*args, **kwargs)
-
-        def counting_copy(buf, param):  # a call that moves a grad in (the first check-in)
-            counts["copies"] += buf._params_step_dict.get(param) == 0
-            return copy_(buf, param)
-
-        torch.zeros, FusedCommBuffer._copy_grad_to_buffer = counting_zeros, counting_copy
-
-    def __exit__(self, *exc):
-        torch.zeros, FusedCommBuffer._copy_grad_to_buffer = self.zeros, self.copy
-
-
-def own_overlap(rank, world):
-    """Sharding's own comm overlap without a pipeline, v1 and v2, acc 1 and 4, release off
-    and on: equal to one process, release on == off bitwise; with release one allocation per
-    bucket per step, during backward, and no copy at step(); misuse raises on every rank."""
-    hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
-    for version in (1, 2):
-        for acc in (1, 4):
-            oracle = _oracle(lambda: _mlp([6, 16, 4]), "adam", 3, 24)
-            trajs = {}
-            for release in (False, True):
-                st = _own_strategy(world, acc, release)
-                counts = {"zeros": 0, "copies": 0}
-                model_counts = counts if release else None
-                trajs[release], model, opt = _train_own(hcg, version, st, counts=model_counts)
-                if release:
-                    assert counts == {"zeros": 0, "copies": 0}, counts
-                for got, want in zip(trajs[release], oracle):
-                    _assert_close_each(got, want, rtol=1e-5, atol=1e-6)
-                    assert _same_on_all(got)
-            _assert_bitwise(trajs[False], trajs[True])
-        _check_one_allocation_per_bucket(hcg, version, world)
-        _check_own_overlap_misuse(hcg, version, world)
-    _check_config_errors(hcg, world)
-    return "ok"
-
-
-def _check_one_allocation_per_bucket(hcg, version, world):
-    """Release on, acc 2: per step each bucket allocates its buffer once, at its first
-    check-in in the first backward; step() neither allocates nor copies."""
-    st = _own_strategy(world, 2, True)
-    model = _mlp([6, 16, 4])
-    opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()), hcg, _for(_CLASSES[version], st))
-    buffers = opt.comm_buffers
-    assert len(buffers) >= 2
-    for step in range(3):
-        x, y = _data(step, 8, 6, 4)
-        for k, (xb, yb) in enumerate(zip(x.chunk(2), y.chunk(2))):
-            counts = {"zeros": 0, "copies": 0}
-            with _counting(counts, buffers):
-                (F.mse_loss(model(xb), yb) / 2).backward()
-            n_params = sum(len(b.params) for b in buffers)
-            first = k == 0
-            assert counts == {"zeros": len(buffers) if first else 0,
-                              "copies": n_params if first else 0}, (k, counts)
-        counts = {"zeros": 0, "copies": 0}
-        with _counting(counts, buffers):
-            opt.step()
-        assert counts == {"zeros": 0, "copies": 0}, counts
-        opt.zero_grad()
-        assert all(b.grad_storage is None for b in buffers)
-
-
-def _check_own_overlap_misuse(hcg, version, world):
-    """An unused param, too few and too many backward passes: ValueError on every rank, and
-    the group is still usable afterwards (nothing left in flight)."""
-    for release in (False, True):
-        st = _own_strategy(world, 2, release)
-        model = nn.ModuleList([_mlp([6, 16, 4]), nn.Linear(3, 3)])  # [1] is never called
-        opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()),
-                                hcg, _for(_CLASSES[version], st))
-        x, y = _data(0, 8, 6, 4)
-        for _ in range(2):
-            F.mse_loss(model[0](x), y).backward()
-        with pytest.raises(ValueError, match="did not get accumulate_steps=2"):
-            opt.step()
-        assert _same_on_all([torch.ones(3)])
-
-        model = _mlp([6, 16, 4])
-        opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()),
-                                hcg, _for(_CLASSES[version], st))
-        F.mse_loss(model(x), y).backward()  # 1 of 2 micro-batches
-        with pytest.raises(ValueError, match="did not get accumulate_steps=2"):
-            opt.step()
-        opt.zero_grad(set_to_none=release)
-        for _ in range(3):  # a third one: counted, raised at step() on every rank
-            F.mse_loss(model(x), y).backward()
-        with pytest.raises(ValueError, match=r"did not get accumulate_steps=2 .*"
-                           r"global rank 0: 3 backward passes, the fewest for a param 2"):
-            opt.step()
-        assert _same_on_all([torch.ones(3)])
-
-
-def _check_config_errors(hcg, world):
-    with pytest.raises(ValueError, match="free_grads_in_comm needs release"):
-        HybridStrategy(sharding_configs=DygraphShardingConfig(free_grads_in_comm=True))
-    with pytest.raises(ValueError, match="comm_overlap is sharding's own overlap"):
-        HybridStrategy(pp_degree=2, sharding_configs=DygraphShardingConfig(comm_overlap=True))
-    for version in (1, 2):
-        st = _own_strategy(world, 1, True, free=True)
-        st.pp_configs.release_gradients = False  # past HybridStrategy's own check
-        with pytest.raises(ValueError, match="free_grads_in_comm needs release"):
-            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()),
-                              hcg, _for(_CLASSES[version], st))
-        st = _own_strategy(world, 1, True)
-        st.pp_configs.sharding_comm_overlap = True
-        with pytest.raises(ValueError, match="cannot both be on"):
-            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()),
-                              hcg, _for(_CLASSES[version], st))
-        st = _own_strategy(world, 1, True)
-        st.pp_degree = 2
-        with pytest.raises(ValueError, match="needs pp_degree 1 .*, got 2 and False"):
-            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()),
-                              hcg, _for(_CLASSES[version], st))
-    st = _own_strategy(world, 1, True, free=True, overlap=False)
-    st.pp_configs.delay_scale_loss = True
-    with pytest.raises(ValueError, match="free_grads_in_comm with split_param: "
-                                         "delay_scale_loss would miss"):
-        _CLASSES[2](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, _for(_CLASSES[2], st))
-    params = [nn.Parameter(torch.zeros(3))]
-    from relgrad_extras.free_in_comm import FreeInCommBuffer  # [later]: a plug-in
-    with pytest.raises(ValueError, match="needs release_grads=True"):
-        FreeInCommBuffer(0, params, None, act=HOOK_ACTION.REDUCE_SCATTER)
-    with pytest.raises(ValueError, match="nothing to free with act=ALL_REDUCE"):
-        FreeInCommBuffer(0, params, None, act=HOOK_ACTION.ALL_REDUCE, release_grads=True)
-
-
-def free_in_comm(rank, world):
-    """No pipeline, v1 and v2, own overlap with acc 1 and 4 and, acc 1, the path without it
-    (reduce at step()), 3 steps each: release + free_grads_in_comm
-    gives params bitwise equal to release off; right after each bucket's collective the part
-    this rank will not read is dead and the part it reads is alive and bitwise as with
-    release off."""
-    hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
-    for version in (1, 2):
-        for acc, overlap in ((1, True), (4, True), (1, False)):  # without: step() reduces
-            parts, trajs = {}, {}
-            for free in (False, True):
-                parts[free] = []
-                st = _own_strategy(world, acc, release=free, free=free, overlap=overlap)
-                trajs[free], _, _ = _train_own(hcg, version, st, watch=parts[free], free=free)
-            _assert_same_runs(parts, trajs, buckets=overlap or version == 2)
-    return "ok"
+    for name in muls:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        fn()
+    finally:
+        for name, original in muls.items():
+            setattr(torch.Tensor, name, original)
+    return scaled
 
 
 def _assert_same_runs(parts, trajs, buckets=True):
@@ -317,15 +147,171 @@ def _assert_same_runs(parts, trajs, buckets=True):
     _assert_bitwise(trajs[False], trajs[True])
 
 
+# ---------------------------------------------------------------- sharding's own overlap
+
+def _train_own(hcg, version, strategy, watch=None, free=False, record=None):
+    """No pipeline: each sharding rank trains 3 steps on its slice of a batch of 24 in `acc`
+    micro-batches; returns the params after each step. `record`: a `_spy_buffers` record of
+    each step(). With free and v1 without overlap, checks after each step() that only the
+    owned params kept their grads."""
+    group_rank, nranks = dist.get_rank(), dist.get_world_size()
+    acc = strategy.sharding_configs.accumulate_steps
+    overlap = strategy.sharding_configs.comm_overlap
+    model = _mlp([6, 16, 4])
+    opt = _shard(_CLASSES[version], OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
+    buffers = opt.comm_buffers
+    for buf in buffers if watch is not None else []:
+        _watch(buf, watch, free)
+    traj = []
+    for step in range(3):
+        x, y = (t.chunk(nranks)[group_rank] for t in _data(step, 24, *_io(model)))
+        for xb, yb in zip(x.chunk(acc), y.chunk(acc)):
+            assert all(b._task is None for b in buffers), "a collective fired too early"
+            (F.mse_loss(model(xb), yb) / acc).backward()
+        assert all((b._task is not None) == overlap for b in buffers), "no collective issued"
+        with _spy_buffers({b.buffer_size for b in buffers}) as seen:
+            opt.step()
+        if record is not None:
+            record["zeros"] += seen["zeros"]
+            record["copies"] += seen["copies"]
+        if free and version == 1 and not overlap:
+            owned = [opt._param2rank[p] == group_rank for p in model.parameters()]
+            assert [p.grad is not None for p in model.parameters()] == owned
+        opt.zero_grad(set_to_none=strategy.pp_configs.release_gradients)
+        traj.append(_params(model))
+    return traj
+
+
+def own_overlap(rank, world):
+    """Sharding's own comm overlap without a pipeline, v1 and v2, acc 1 and 4, release off
+    and on: equal to one process, release on == off bitwise; with release one allocation per
+    bucket per step, during backward, and no copy at step(); misuse raises on every rank."""
+    hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
+    for version in (1, 2):
+        for acc in (1, 4):
+            oracle = _oracle(lambda: _mlp([6, 16, 4]), "adam", 3, 24)
+            trajs = {}
+            for release in (False, True):
+                record = {"zeros": [], "copies": []}
+                trajs[release] = _train_own(hcg, version, _own_strategy(world, acc, release),
+                                            record=record)
+                assert not release or _counts(record) == (0, 0), _counts(record)
+                _assert_close_each(trajs[release], oracle)
+                assert all(_same_on_all(got) for got in trajs[release])
+            _assert_bitwise(trajs[False], trajs[True])
+        _check_one_allocation_per_bucket(hcg, version, world)
+        _check_own_overlap_misuse(hcg, version, world)
+    _check_config_errors(hcg, world)
+    return "ok"
+
+
+def _check_one_allocation_per_bucket(hcg, version, world):
+    """Release on, acc 2: per step each bucket allocates its buffer once, at its first
+    check-in in the first backward; step() neither allocates nor copies."""
+    model = _mlp([6, 16, 4])
+    opt = _shard(_CLASSES[version], OPTIMIZERS["sgd"](model.parameters()), hcg,
+                 _own_strategy(world, 2, True))
+    buffers = opt.comm_buffers
+    sizes = {b.buffer_size for b in buffers}
+    assert len(buffers) >= 2
+    for step in range(3):
+        x, y = _data(step, 8, 6, 4)
+        for k, (xb, yb) in enumerate(zip(x.chunk(2), y.chunk(2))):
+            with _spy_buffers(sizes) as record:
+                (F.mse_loss(model(xb), yb) / 2).backward()
+            n_params = sum(len(b.params) for b in buffers)
+            want = (len(buffers), n_params) if k == 0 else (0, 0)
+            assert _counts(record) == want, (k, _counts(record))
+        with _spy_buffers(sizes) as record:
+            opt.step()
+        assert _counts(record) == (0, 0), _counts(record)
+        opt.zero_grad()
+        assert all(b.grad_storage is None for b in buffers)
+
+
+def _check_own_overlap_misuse(hcg, version, world):
+    """An unused param, too few and too many backward passes: ValueError on every rank, and
+    the group is still usable afterwards (nothing left in flight)."""
+    for release in (False, True):
+        st = _own_strategy(world, 2, release)
+        model = nn.ModuleList([_mlp([6, 16, 4]), nn.Linear(3, 3)])  # [1] is never called
+        opt = _shard(_CLASSES[version], OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+        x, y = _data(0, 8, 6, 4)
+        for _ in range(2):
+            F.mse_loss(model[0](x), y).backward()
+        with pytest.raises(ValueError, match="did not get accumulate_steps=2"):
+            opt.step()
+        assert _same_on_all([torch.ones(3)])
+        model = _mlp([6, 16, 4])
+        opt = _shard(_CLASSES[version], OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+        F.mse_loss(model(x), y).backward()  # 1 of 2 micro-batches
+        with pytest.raises(ValueError, match="did not get accumulate_steps=2"):
+            opt.step()
+        opt.zero_grad(set_to_none=release)
+        for _ in range(3):  # a third one: counted, raised at step() on every rank
+            F.mse_loss(model(x), y).backward()
+        with pytest.raises(ValueError, match=r"did not get accumulate_steps=2 .*"
+                           r"global rank 0: 3 backward passes, the fewest for a param 2"):
+            opt.step()
+        assert _same_on_all([torch.ones(3)])
+
+
+def _check_config_errors(hcg, world):
+    with pytest.raises(ValueError, match="free_grads_in_comm needs release"):
+        HybridStrategy(sharding_configs=DygraphShardingConfig(free_grads_in_comm=True))
+    with pytest.raises(ValueError, match="comm_overlap is sharding's own overlap"):
+        HybridStrategy(pp_degree=2, sharding_configs=DygraphShardingConfig(comm_overlap=True))
+    for version in (1, 2):
+        free = _own_strategy(world, 1, True, free=True)
+        free.pp_configs.release_gradients = False  # past HybridStrategy's own check
+        both = _own_strategy(world, 1, True)
+        both.pp_configs.sharding_comm_overlap = True
+        piped = _own_strategy(world, 1, True)
+        piped.pp_degree = 2
+        for st, match in ((free, "free_grads_in_comm needs release"),
+                          (both, "cannot both be on"),
+                          (piped, "needs pp_degree 1 .*, got 2 and False")):
+            with pytest.raises(ValueError, match=match):
+                _shard(_CLASSES[version], OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, st)
+    st = _own_strategy(world, 1, True, free=True, overlap=False)
+    st.pp_configs.delay_scale_loss = True
+    with pytest.raises(ValueError, match="free_grads_in_comm with split_param: "
+                                         "delay_scale_loss would miss"):
+        _shard(_CLASSES[2], OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, st)
+    params = [nn.Parameter(torch.zeros(3))]
+    from relgrad_extras.free_in_comm import FreeInCommBuffer  # [later]: a plug-in
+    with pytest.raises(ValueError, match="needs release_grads=True"):
+        FreeInCommBuffer(0, params, None, act=HOOK_ACTION.REDUCE_SCATTER)
+    with pytest.raises(ValueError, match="nothing to free with act=ALL_REDUCE"):
+        FreeInCommBuffer(0, params, None, act=HOOK_ACTION.ALL_REDUCE, release_grads=True)
+
+
+# ---------------------------------------------------------------- free_grads_in_comm
+
+def free_in_comm(rank, world):
+    """No pipeline, v1 and v2, own overlap with acc 1 and 4 and, acc 1, the path without it
+    (reduce at step()), 3 steps each: release + free_grads_in_comm gives params bitwise equal
+    to release off; right after each bucket's collective the part this rank will not read is
+    dead and the part it reads is alive and bitwise as with release off."""
+    hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
+    for version in (1, 2):
+        for acc, overlap in ((1, True), (4, True), (1, False)):  # without: step() reduces
+            parts, trajs = {False: [], True: []}, {}
+            for free in (False, True):
+                st = _own_strategy(world, acc, release=free, free=free, overlap=overlap)
+                trajs[free] = _train_own(hcg, version, st, watch=parts[free], free=free)
+            _assert_same_runs(parts, trajs, buckets=overlap or version == 2)
+    return "ok"
+
+
 def free_in_comm_pipeline(rank, world):
     """pp 2 x sharding 2, pipeline sharding comm overlap, v1 and v2, acc 1 and 4: the same
     checks as `free_in_comm`, on the pipeline's buffers."""
     hcg = None
     for version in (1, 2):
         for acc in (1, 4):
-            parts, trajs = {}, {}
+            parts, trajs = {False: [], True: []}, {}
             for free in (False, True):
-                parts[free] = []
                 st = HybridStrategy(
                     pp_degree=2, sharding_degree=2, accumulate_steps=acc,
                     pp_configs=PpConfig(release_gradients=free, sharding_comm_overlap=True),
@@ -337,22 +323,21 @@ def free_in_comm_pipeline(rank, world):
     return "ok"
 
 
-def _train_pipe(hcg, version, strategy, record, free, steps=3, mbs=2):
+def _train_pipe(hcg, version, strategy, record, free, mbs=2):
     model = PipelineParallel(_pipe_layers(), hcg, strategy, _mse)
-    cls = DygraphShardingOptimizerV2 if version == 2 else DygraphShardingOptimizer
-    opt = cls(OPTIMIZERS["adam"](model.parameters()), hcg, _for(cls, strategy))
+    opt = _shard(version, OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
     acc, replica = strategy.accumulate_steps, hcg.get_sharding_parallel_rank()
     if free:  # at the optimizer step the freed grads are still gone (v2: all params' grads,
         inner_step = opt._inner_opt.step  # v1: those this rank does not own)
 
         def checked_step(*args, **kwargs):
-            assert all(comm_buffer.main_grad_or_grad(p) is None for p in model.parameters()
+            assert all(main_grad_or_grad(p) is None for p in model.parameters()
                        if version == 2 or opt._param2rank[p] != replica), "freed grads are back"
             return inner_step(*args, **kwargs)
 
         opt._inner_opt.step = checked_step
     traj = []
-    for step in range(steps):
+    for step in range(3):
         x, y = (t.chunk(2)[replica]
                 for t in _data(step, 2 * acc * mbs, PIPE_SIZES[0], PIPE_SIZES[-1]))
         model._prepare_training(opt, None)
@@ -361,22 +346,8 @@ def _train_pipe(hcg, version, strategy, record, free, steps=3, mbs=2):
                 _watch(buf, record, free)
         model.forward_backward_pipeline((x, y))
         model._optimizer_step()
-        traj.append([p.detach().clone() for p in model.parameters()])
+        traj.append(_params(model))
     return traj
-
-
-class _SmallBucketsV1(DygraphShardingOptimizer):
-    """v1 with 1-byte buckets under comm_overlap: one bucket per param."""
-
-    def _build_owner_buffers(self, acc_steps, group_size=None):
-        super()._build_owner_buffers(acc_steps, group_size=1)
-
-
-class _OneParamBucketsV2(DygraphShardingOptimizerV2):
-    """v2 with 1-byte buckets: one bucket per param."""
-
-    def _build_comm_buffers(self, acc_steps, group_size=None):
-        super()._build_comm_buffers(acc_steps, group_size=1)
 
 
 def free_during_backward(rank, world):
@@ -387,9 +358,9 @@ def free_during_backward(rank, world):
     hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
     for version, cls in ((1, _SmallBucketsV1), (2, _OneParamBucketsV2)):
         for acc in (1, 4):
-            parts, trajs, timings = {}, {}, {}
+            parts, trajs, timings = {False: [], True: []}, {}, {}
             for free in (False, True):
-                parts[free], timings[free] = [], {"in_backward": False, "entries": []}
+                timings[free] = {"in_backward": False, "entries": []}
                 st = _own_strategy(world, acc, release=free, free=free)
                 st.sharding_configs.split_param = version == 2
                 trajs[free] = _train_watched(hcg, cls, st, parts[free], timings[free], free)
@@ -398,27 +369,26 @@ def free_during_backward(rank, world):
                 timing = timing["entries"]
                 buckets = len(timing) // 3  # 3 steps, one completion per bucket and step
                 assert buckets >= 6 and len(timing) == 3 * buckets, (version, acc, timing)
-                early = sum(timing)
                 # release off completes at step(); free: what has finished by a later check-in
                 # (never waiting there; each layer's backward sleeps 5 ms to let gloo finish)
+                early = sum(timing)
                 assert (early >= 3) if free else early == 0, (version, acc, free, timing)
     return "ok"
 
 
-def _train_watched(hcg, cls, strategy, record, timing, free, steps=3, batch=24):
-    """`_train_own` on a 6-param MLP with every bucket watched (`_watch` with timing)."""
+def _train_watched(hcg, cls, strategy, record, timing, free):
+    """3 steps of a 6-param MLP on a batch of 24, every bucket watched (`_watch` with timing)."""
     group_rank, nranks = dist.get_rank(), dist.get_world_size()
     acc = strategy.sharding_configs.accumulate_steps
     model = _mlp([6, 16, 16, 4])
     for layer in model:
         layer.register_full_backward_pre_hook(lambda *_: time.sleep(0.005))
     opt = cls(OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
-    buffers = opt.comm_buffers
-    for buf in buffers:
-        _watch(buf, record, free, timing, buffers)
+    for buf in opt.comm_buffers:
+        _watch(buf, record, free, timing, opt.comm_buffers)
     traj = []
-    for step in range(steps):
-        x, y = (t.chunk(nranks)[group_rank] for t in _data(step, batch, *_io(model)))
+    for step in range(3):
+        x, y = (t.chunk(nranks)[group_rank] for t in _data(step, 24, *_io(model)))
         for xb, yb in zip(x.chunk(acc), y.chunk(acc)):
             loss = F.mse_loss(model(xb), yb) / acc
             timing["in_backward"] = True
@@ -426,7 +396,7 @@ def _train_watched(hcg, cls, strategy, record, timing, free, steps=3, batch=24):
             timing["in_backward"] = False
         opt.step()
         opt.zero_grad(set_to_none=strategy.pp_configs.release_gradients)
-        traj.append([p.detach().clone() for p in model.parameters()])
+        traj.append(_params(model))
     return traj
 
 
@@ -441,8 +411,8 @@ def end_of_backward_bytes(rank, world):
     st.sharding_configs.comm_buffer_size_MB = 1
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])  # 1.05 M params
-    hcg = HybridCommunicateGroup(st)
-    opt = DygraphShardingOptimizerV2(OPTIMIZERS["adam"](model.parameters()), hcg, st)
+    opt = DygraphShardingOptimizerV2(OPTIMIZERS["adam"](model.parameters()),
+                                     HybridCommunicateGroup(st), st)
     buffers = opt.comm_buffers
     grad_bytes = sum(b.buffer_size * 4 for b in buffers)
     bucket = max(b.buffer_size * 4 for b in buffers)
