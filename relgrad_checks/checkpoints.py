@@ -70,9 +70,8 @@ def _same_dict(a, b):
 
 
 def _resume(version, topology, saved):
-    """Fresh model and optimizer, load `saved` (model params + optimizer dict, of 2 steps),
-    check that loading allocated no grad and restored lr and Adam's step count, train steps
-    2 and 3: the params."""
+    """Fresh model and optimizer load `saved` (2 steps: its lr, Adam's step count, no grads
+    allocated), then train steps 2 and 3: the params."""
     model, opt, part = _sharded(version, topology)
     model.load_state_dict(saved["model"])
     opt.param_groups[0]["lr"] = 0.5  # the saved hyper-parameters win, as in torch
@@ -100,9 +99,8 @@ def _save_on_rank0(obj, path):
 
 
 def _bf16_reference(steps):
-    """bf16 with fp32 main grads and masters: one process summing the two replicas' main
-    grads as 2 sharding ranks do (`_main_grad_oracle`); its MixPrecisionOptimizer after
-    `steps` steps, whose masters all moved from the start."""
+    """bf16 with main grads: one process summing the 2 replicas as the ranks do, after `steps`
+    steps (its masters all moved): its MixPrecisionOptimizer."""
     def batches(step):
         x, y = (t.to(torch.bfloat16).chunk(2) for t in _data(step, BATCH, 20, 4))
         return [[(x[r], y[r])] for r in range(2)]
@@ -116,9 +114,8 @@ def _bf16_reference(steps):
 
 
 def _check_consolidated(full, oracle_opt, bf16):
-    """The consolidated dict is torch's one-process format, equal to the oracle's state:
-    fp32 close to one process on the whole batch; bf16 bitwise equal (state and fp32
-    masters) to one process summing as the ranks do (`_bf16_reference`)."""
+    """The consolidated dict is torch's format with the oracle's state: fp32 close, bf16 bitwise
+    (masters too, against `_bf16_reference`)."""
     want = oracle_opt.state_dict()
     want = want["inner"] if bf16 else want  # MixPrecision: the inner torch optimizer's
     assert sorted(full["state"]) == sorted(want["state"]) == [0, 1, 2, 3]
@@ -145,9 +142,8 @@ def _check_consolidated(full, oracle_opt, bf16):
 
 
 def save_on_two(rank, world, folder):
-    """2 ranks: 2 steps, consolidate and save; resume on the same layout (bitwise), on
-    sharding degree 1 (dp 2) and in a plain torch Adam (allclose to one process); a per-rank
-    state of another rank fails on every rank; 1 -> 2: a plain torch state resumes on 2."""
+    """2 ranks: consolidate and save after 2 steps; resume on the same layout (bitwise), on
+    sharding 1 and in torch's Adam (close); wrong per-rank states raise; 1 -> 2 resumes."""
     oracle = _one_process(4)[2]
     two, one_beside_dp = _sharding_groups(2, release=True), _sharding_groups(1, 2, True)
     for version in (1, 2):
@@ -181,9 +177,8 @@ def save_on_two(rank, world, folder):
 
 
 def _check_other_layouts(rank, world, version, two, one_beside_dp, saved, own, oracle):
-    """Another rank's per-rank state (on rank 0 only) or None raise on every rank, naming the
-    fix; the consolidated state resumes on sharding 1 beside dp 2 and in a plain torch Adam,
-    and a plain torch Adam's state_dict resumes on 2 ranks (allclose to one process)."""
+    """Another rank's per-rank state or None raise on every rank; the consolidated state resumes
+    on sharding 1 beside dp 2 and in torch's Adam, torch's Adam state on 2 ranks (close)."""
     others = [None] * world
     dist.all_gather_object(others, own)
     _, opt3, _ = _sharded(version, two)
@@ -204,9 +199,8 @@ def _check_other_layouts(rank, world, version, two, one_beside_dp, saved, own, o
 
 
 def load_on_three(rank, world, folder):
-    """3 ranks: the 2-rank checkpoints resume (allclose to one process) and re-consolidate
-    bitwise, masters included; a 2-rank per-rank state fails on every rank; then 2 steps on 3
-    ranks are consolidated and saved for `load_from_three`."""
+    """3 ranks: the 2-rank checkpoints resume (close) and re-consolidate bitwise; a 2-rank
+    per-rank state raises; 2 steps on 3 ranks are saved for `load_from_three`."""
     oracle, three = _one_process(4)[2], _sharding_groups(3, release=True)
     for version in (1, 2):
         saved = torch.load(os.path.join(folder, f"two_v{version}.pt"))
@@ -239,11 +233,9 @@ def load_from_three(rank, world, folder):
 
 
 def pipeline_resume(rank, world):
-    """pp 2 x sharding 2, sharding comm overlap: each stage consolidates after 2 batches (Adam
-    at step 2 for every param); a fresh pipeline loads it before its first train_batch (v2
-    cuts it once the pipeline has built its buffers: its state is empty until then) and is at
-    step 3 after one batch; its 2 more batches equal the uninterrupted run bitwise and one
-    process training 4 steps on the whole batch."""
+    """pp 2 x sharding 2, overlap: a stage's state consolidated after 2 batches loads into a
+    fresh pipeline (v2 cuts it once its buffers exist), is at step 3 after one batch, and
+    trains as the uninterrupted run (bitwise) and one process (close)."""
     _, oracle = _pipe_oracle("adam", 4, 8)
     for version in (1, 2):
         strategy = _strategy(pp=2, sharding=2, acc=2, release=True, split_param=version == 2,
@@ -289,9 +281,8 @@ def pipeline_resume(rank, world):
 
 
 def beside_dp(rank, world):
-    """dp 2 x sharding 2: rank `to` of each dp replica gets the consolidated state; it resumes
-    on the same layout bitwise and on sharding 4 allclose to one process; a per-rank state of
-    another rank on one dp replica only raises on all 4 ranks."""
+    """dp 2 x sharding 2: the consolidated state resumes on the same layout (bitwise) and on
+    sharding 4 (close); another rank's per-rank state on one replica raises on all 4."""
     dp_two, four = _sharding_groups(2, 2, True), _sharding_groups(4, release=True)
     oracle = _one_process(4)[2]
     for version in (1, 2):

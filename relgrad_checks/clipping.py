@@ -64,9 +64,8 @@ def _assert_release_keeps_bits(runs):
 
 
 def _clipped_oracle(model, steps, clip, data_of, opt=None, loss=_mse):
-    """One process, the whole model and batch (`data_of(step)`: x, y), clipped by torch's
-    clip_grad_norm_ before each step of `opt` (default OPTIMIZERS["sgd"]): (norms, params
-    after each step)."""
+    """One process on the whole batch (`data_of(step)`), torch's clip_grad_norm_ before each
+    step of `opt` (default SGD of OPTIMIZERS): (norms, params per step)."""
     opt = OPTIMIZERS["sgd"](model.parameters()) if opt is None else opt
     norms, traj = [], []
     for step in range(steps):
@@ -82,9 +81,8 @@ def _clipped_oracle(model, steps, clip, data_of, opt=None, loss=_mse):
 # ---------------------------------------------------------------- clipping
 
 def _hand_clip(steps, clip, lr, frozen=False, a=3.0, b=4.0):
-    """Norms and (a, b) after each step of `z = b * a * x`, loss mean(z), batch mean 3(s+1),
-    SGD, Paddle's coefficient (`frozen`: a is not trained): in Python floats, independent of
-    torch and the library."""
+    """Norms and (a, b) per step of `z = b * a * x`, loss mean(z), batch mean 3(s+1), SGD with
+    Paddle's coefficient (`frozen`: a not trained), in Python floats."""
     norms, params = [], []
     for step in range(steps):
         x_mean = 3.0 * (step + 1)
@@ -110,11 +108,9 @@ def _scale_layers(frozen):
 
 
 def clip_global_norm(rank, world, steps=3, clip=1.0, lr=0.1):
-    """pp 2 x sharding 2 (v1, v2; overlap, release on / off) and pp 2 x dp 2 (plain SGD,
-    `train_batch(grad_clip=)`; dp overlap on / off; once with stage 0's param frozen): the
-    norm is the hand value on all 4 ranks; the clipped update equals torch's clip_grad_norm_
-    on one process; release on == off bitwise. Sharding rank 1 owns nothing on either stage
-    (v1: one param per stage; v2: its shard is padding only)."""
+    """pp 2 x sharding 2 (v1, v2) and pp 2 x dp 2 (train_batch's grad_clip; once stage 0 frozen),
+    overlap and release on / off: the norm is the hand value everywhere, the update torch's
+    clip_grad_norm_'s; release on == off. Sharding rank 1 owns nothing."""
     hands, oracles = {}, {}
     for frozen in (False, True):
         hands[frozen] = _hand_clip(steps, clip, lr, frozen)
@@ -126,53 +122,59 @@ def clip_global_norm(rank, world, steps=3, clip=1.0, lr=0.1):
     configs += [("dp", None, overlap, release) for _, overlap, release in _variants((1,))]
     configs += [("frozen", None, True, True)]  # stage 0 has no trainable param
     runs = {}
-    for kind, version, overlap, release in configs:
-        frozen = kind == "frozen"
-        (hand_norms, hand_params), (torch_norms, oracle) = hands[frozen], oracles[frozen]
-        strategy, hcg, model, grad_clip = _pp2(version, overlap, release, _scale_layers(frozen),
-                                               _mean_loss, clip)
-        stage = hcg.get_stage_id()
-        opt = torch.optim.SGD(model.parameters(), lr=lr)
-        if version:
-            opt = _shard(version, opt, hcg, strategy, grad_clip=grad_clip)
-        if version == 1:
-            assert set(opt._param2rank.values()) == {0}  # sharding rank 1 owns nothing
-        replica = hcg.get_data_parallel_rank() + hcg.get_sharding_parallel_rank()
-        norms, traj = [], []
-        for step in range(steps):
-            x = _scalar_batch(step)[0].chunk(2)[replica]
-            _train_batch(model, (x, x), opt, version, grad_clip)
-            norm = grad_clip.global_norm
-            assert norm.dtype == torch.float32 and _same_on_all([norm], None)
-            assert math.isclose(float(norm), hand_norms[step], rel_tol=1e-6), \
-                (kind, version, overlap, release, step, float(norm), hand_norms[step])
-            torch.testing.assert_close(norm, torch_norms[step], rtol=1e-6, atol=0)
-            (w,) = _params(model)
-            assert math.isclose(float(w), hand_params[step][stage], rel_tol=1e-6)
-            torch.testing.assert_close(w, oracle[step][stage], rtol=1e-6, atol=0)
-            norms.append(norm.clone())
-            traj.append(w)
-        if version == 2:
-            views = [view for b in opt._comm_buffer_list
-                     for view in b._sharding_param_grad_view.values()]
-            assert [v._has_local for v in views] == [hcg.get_sharding_parallel_rank() == 0]
-        if version == 1 and not overlap and not release:  # misuse: raised before any comm
-            with pytest.raises(ValueError, match="clips in its own step"):
-                model.train_batch((x, x), opt, grad_clip=grad_clip)
-            with pytest.raises(TypeError, match="grad_clip must be None or"):
-                _shard(1, torch.optim.SGD(model.parameters(), lr=lr), hcg, strategy,
-                       grad_clip=torch.nn.utils.clip_grad_norm_)
-        runs[kind, version, overlap, release] = norms + traj
+    for config in configs:
+        frozen = config[0] == "frozen"
+        runs[config] = _clipped_run(config, hands[frozen], oracles[frozen], steps, clip, lr)
     _assert_release_keeps_bits(runs)
     return "ok"
+
+
+def _clipped_run(config, hand, oracle, steps, clip, lr):
+    """One `clip_global_norm` layout, checked each step against the hand values and torch's
+    (norms, params); its norms and params per step."""
+    kind, version, overlap, release = config
+    (hand_norms, hand_params), (torch_norms, torch_params) = hand, oracle
+    strategy, hcg, model, grad_clip = _pp2(version, overlap, release,
+                                           _scale_layers(kind == "frozen"), _mean_loss, clip)
+    stage = hcg.get_stage_id()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    if version:
+        opt = _shard(version, opt, hcg, strategy, grad_clip=grad_clip)
+    if version == 1:
+        assert set(opt._param2rank.values()) == {0}  # sharding rank 1 owns nothing
+    replica = hcg.get_data_parallel_rank() + hcg.get_sharding_parallel_rank()
+    norms, traj = [], []
+    for step in range(steps):
+        x = _scalar_batch(step)[0].chunk(2)[replica]
+        _train_batch(model, (x, x), opt, version, grad_clip)
+        norm = grad_clip.global_norm
+        assert norm.dtype == torch.float32 and _same_on_all([norm], None)
+        assert math.isclose(float(norm), hand_norms[step], rel_tol=1e-6), \
+            (config, step, float(norm), hand_norms[step])
+        torch.testing.assert_close(norm, torch_norms[step], rtol=1e-6, atol=0)
+        (w,) = _params(model)
+        assert math.isclose(float(w), hand_params[step][stage], rel_tol=1e-6)
+        torch.testing.assert_close(w, torch_params[step][stage], rtol=1e-6, atol=0)
+        norms.append(norm.clone())
+        traj.append(w)
+    if version == 2:
+        views = [view for b in opt._comm_buffer_list
+                 for view in b._sharding_param_grad_view.values()]
+        assert [v._has_local for v in views] == [hcg.get_sharding_parallel_rank() == 0]
+    if version == 1 and not overlap and not release:  # misuse: raised before any comm
+        with pytest.raises(ValueError, match="clips in its own step"):
+            model.train_batch((x, x), opt, grad_clip=grad_clip)
+        with pytest.raises(TypeError, match="grad_clip must be None or"):
+            _shard(1, torch.optim.SGD(model.parameters(), lr=lr), hcg, strategy,
+                   grad_clip=torch.nn.utils.clip_grad_norm_)
+    return norms + traj
 
 
 # ---------------------------------------------------------------- tied weights
 
 def _tied_layers():
-    """[T, tanh, A | B, tanh, T'] (8 x 8, no bias); T' tied to T. v1 owners (equal sizes, in
-    order of appearance): T -> rank 0, A -> 1 | B -> 0, T' -> 1. v2 (unit 128 elements): T at
-    offset 0 (rank 0's shard), A at 128 | B at 0, T' at 128 (rank 1's shard)."""
+    """[T, tanh, A | B, tanh, T'] (8 x 8, no bias), T' tied to T. v1 owners: T -> rank 0, A -> 1
+    | B -> 0, T' -> 1; v2 (unit 128): T, A at 0, 128 | B, T' at 0, 128."""
     layers = []
     for seed in range(6):
         torch.manual_seed(seed)
@@ -191,12 +193,9 @@ def _tied_oracle(steps, clip, batch):
 
 
 def tied_weights(rank, world, steps=3, clip=0.05):
-    """pp 2 x sharding 2, v1 and v2, overlap on / off, release on / off, with the tied copies
-    owned by different sharding ranks on the two stages, and pp 2 x dp 2 (plain SGD, dp
-    overlap on / off): after each step the tied weight is bitwise equal on all 4 ranks and
-    equals one process training the model that uses one weight twice (clipped with torch's
-    clip_grad_norm_, which counts it once); release on == off bitwise. Then a second schedule
-    call before the step, and misspelled ties, raise on every rank."""
+    """pp 2 x sharding 2 (v1, v2: tied copies owned by different ranks) and pp 2 x dp 2, overlap
+    and release on / off: the tie is equal everywhere and trains as one process using one
+    weight twice; release on == off; a second schedule call and misspelled ties raise."""
     batch = 2 * 2 * 2  # replicas x micro-batches x samples
     oracle_norms, oracle = _tied_oracle(steps, clip, batch)
     assert len(oracle_norms) == steps and all(float(n) > clip for n in oracle_norms)  # active
@@ -229,8 +228,14 @@ def tied_weights(rank, world, steps=3, clip=0.05):
             assert view._index == 128 * stage and view._has_local == (replica == stage)
         runs[version, overlap, release] = traj
     _assert_release_keeps_bits(runs)
-    # accumulating over two calls: the tied sum would run twice, so the second call refuses
-    x, y = (t.chunk(2)[replica] for t in _data(0, batch, 8, 8))
+    _check_tie_misuse(model, hcg, strategy, (t.chunk(2)[replica] for t in _data(0, batch, 8, 8)))
+    return "ok"
+
+
+def _check_tie_misuse(model, hcg, strategy, data):
+    """A second schedule call before the step (the tied sum would run twice) and misspelled
+    ties raise on every rank."""
+    x, y = data
     model.forward_backward_pipeline((x, y))
     with pytest.raises(ValueError, match="ran again before the optimizer step: with comm"):
         model.forward_backward_pipeline((x, y))
@@ -241,17 +246,14 @@ def tied_weights(rank, world, steps=3, clip=0.05):
         with pytest.raises(error, match=match):
             PipelineParallel(_tied_layers(), hcg, strategy, _mse, shared_weights=ties)
     dist.barrier()  # every rank raised and got here
-    return "ok"
 
 
 # ---------------------------------------------------------------- several schedule calls
 
 def accumulate_calls(rank, world, steps=3):
-    """The issue's input: pp 2 x sharding 2, v1, 1 micro-batch per call, SGD lr 0.1, loss
-    mean/2, a step = forward_backward_pipeline(x1) then train_batch(x2), x = 1 | 5 on
-    sharding rank 0 and 3 | 7 on rank 1. Without overlap: a = b = 0.6, 0.36, 0.216 (hand
-    values), release on and off. With sharding comm overlap: the second call raises
-    ValueError on every rank, before any communication (no rank is left waiting)."""
+    """pp 2 x sharding 2, v1, SGD lr 0.1, loss mean/2, a step = forward_backward_pipeline(x1)
+    then train_batch(x2), x = 1 | 5 and 3 | 7: a = b = 0.6, 0.36, 0.216 (by hand); with
+    overlap the second call raises on every rank before any communication."""
     for overlap in (False, True):
         for release in (False, True):
             strategy = _strategy(pp=2, sharding=2, acc=1, release=release,
@@ -277,9 +279,8 @@ def accumulate_calls(rank, world, steps=3):
 
 
 def second_call_refused_pp3(rank, world):
-    """pp 3 with a tie between the first and last stage: the middle stage holds no copy, yet
-    a second forward_backward_pipeline before the step raises on it too (no rank is left in
-    a receive)."""
+    """pp 3, first-last tie: a second forward_backward_pipeline raises on every stage, the
+    middle one (no copy) too."""
     strategy = _strategy(pp=3, acc=2, release=True)
     hcg = HybridCommunicateGroup(strategy)
     torch.manual_seed(0)

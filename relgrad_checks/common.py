@@ -85,7 +85,7 @@ def _strategy(dp=1, pp=1, sharding=1, acc=1, release=False, split_param=False, *
 
 
 def _sharding_groups(sharding, dp=1, release=False):
-    """(hcg, strategy) of sharding x dp on the pool."""
+    """(hcg, strategy) of sharding x dp."""
     strategy = _strategy(sharding=sharding, dp=dp, release=release)
     return HybridCommunicateGroup(strategy), strategy
 
@@ -99,8 +99,7 @@ def _releases(strategy, side="pp_configs"):
 
 
 def _for(cls, strategy):
-    """`strategy` with sharding_configs.split_param as the sharding class `cls` needs (Paddle
-    picks v1 or v2 from that field; the classes refuse the other value)."""
+    """`strategy` with the split_param that sharding class `cls` needs (Paddle's v1 / v2 pick)."""
     strategy.sharding_configs.split_param = issubclass(cls, DygraphShardingOptimizerV2)
     return strategy
 
@@ -122,9 +121,8 @@ def _replica(hcg, strategy):
 
 def _train(model, opt, steps, batch=8, part=(1, 0), set_to_none=True, sched=None, net=None,
            after_backward=None):
-    """Train `steps` (a count or the step indices) on part `part` = (parts, index) of each
-    step's `_data` batch, MSE in fp32 through `net` (default the model), calling
-    `after_backward()` if given; returns the params after each step."""
+    """Train `steps` (a count or the indices) on part (parts, index) of each `_data` batch, MSE
+    through `net` (default the model): the params after each step."""
     net = model if net is None else net
     dtype = next(model.parameters()).dtype
     traj = []
@@ -150,13 +148,9 @@ def _oracle(make_model, opt_name, steps, batch, sched=False):
 
 
 def _main_grad_oracle(make_model, opt_name, steps, batches):
-    """One process, bf16 params with fp32 main grads and masters, summing the grads in the
-    ranks' order, so a distributed run must equal it bitwise. `batches(step)`: per data
-    replica (at most 2: a sum of two fp32 values is exact in any order) a list of
-    micro-batches (x, y). Per replica the fp32 main grads of loss/acc accumulate micro-batch
-    by micro-batch; the replicas' sums are added, scaled by 1/replicas, and
-    MixPrecisionOptimizer steps. Returns (per step the per-replica sums of loss/acc, the
-    params after each step, the MixPrecisionOptimizer)."""
+    """One process, bf16 with fp32 main grads and masters, summing as the ranks do (bitwise):
+    `batches(step)` gives per replica (at most 2: exact in any order) its micro-batches.
+    Returns (per step the replicas' losses, params per step, the MixPrecisionOptimizer)."""
     model = make_model()
     params = list(model.parameters())
     assert params and all(p.dtype == torch.bfloat16 for p in params)
@@ -191,8 +185,7 @@ def _main_grad_oracle(make_model, opt_name, steps, batches):
 
 
 def _replica_batch(hcg, strategy, step, mbs, dtype=torch.float32):
-    """This rank's part of a pipeline test's step batch: replica r takes chunk r of
-    `replicas * accumulate_steps * mbs` rows."""
+    """This replica's chunk of a pipeline test's step batch (`replicas * acc * mbs` rows)."""
     replicas, replica = _replica(hcg, strategy)
     rows = replicas * strategy.accumulate_steps * mbs
     return tuple(t.chunk(replicas)[replica].to(dtype)
@@ -200,8 +193,7 @@ def _replica_batch(hcg, strategy, step, mbs, dtype=torch.float32):
 
 
 def _pipe_batches(replicas, acc, mbs, dtype=torch.bfloat16):
-    """`batches(step)` for `_main_grad_oracle`: the pipeline tests' data, split as they split
-    it (replica r's chunk of the step's batch, then `acc` micro-batches of `mbs`)."""
+    """`batches(step)` for `_main_grad_oracle`: the pipeline tests' data, split as they do."""
     def batches(step):
         x, y = (t.to(dtype) for t in _data(step, replicas * acc * mbs, PIPE_SIZES[0],
                                            PIPE_SIZES[-1]))
@@ -221,8 +213,7 @@ def _same_on_all(tensors, group=None):
 
 
 def _released(*refs, seconds=2.0):
-    """True once every weakref is dead. Polls: gloo's worker thread lets go of a finished
-    collective's tensors a moment after `wait()` returns."""
+    """True once every weakref is dead (polled: gloo lets go a moment after `wait()`)."""
     deadline = time.monotonic() + seconds
     while any(ref() is not None for ref in refs):
         if time.monotonic() > deadline:
@@ -240,10 +231,9 @@ def _assert_moved(traj, start):
 
 
 def _assert_same_state(opt, oracle_opt, index=None):
-    """The sharded `opt`'s whole state (consolidated on sharding rank 0: fp32 masters and the
-    inner optimizer's state) bitwise equal to `oracle_opt`'s (a MixPrecisionOptimizer over the
-    whole model; `index`: the positions of `opt`'s params in it, default all); bf16 params
-    alone would hide a master off by less than half a bf16 step. Collective (sharding group)."""
+    """The sharded `opt`'s consolidated state (fp32 masters, inner state) bitwise equal to
+    MixPrecisionOptimizer `oracle_opt`'s at positions `index` (default all); bf16 params
+    alone would hide a master off by less than half a bf16 step. Collective."""
     full = opt.consolidate_state_dict(to=0)
     if full is None:
         return
@@ -260,9 +250,8 @@ def _assert_same_state(opt, oracle_opt, index=None):
 
 
 def _assert_bitwise(got, want, what=""):
-    """Assert `got` and `want` are bitwise equal item by item: lists of the same non-zero
-    length (zip would silently stop at the shorter one, and all() of nothing is True) whose
-    items are tensors (torch.equal), plain values (==) or such lists, recursively."""
+    """Bitwise equal item by item: lists of one non-zero length (zip stops at the shorter) of
+    tensors (torch.equal), plain values (==) or such lists."""
     got, want = list(got), list(want)
     assert len(got) == len(want) > 0, (what, len(got), len(want))
     for i, (g, w) in enumerate(zip(got, want)):
@@ -275,8 +264,7 @@ def _assert_bitwise(got, want, what=""):
 
 
 def _assert_close_each(got, want, rtol=1e-5, atol=1e-6):
-    """`torch.testing.assert_close` for each pair (or each pair of lists), after asserting
-    both have the same non-zero length (zip would stop at the shorter one)."""
+    """`assert_close` pair by pair (lists of lists too), lengths equal and non-zero first."""
     got, want = list(got), list(want)
     assert len(got) == len(want) > 0, (len(got), len(want))
     for g, w in zip(got, want):
@@ -288,10 +276,8 @@ def _assert_close_each(got, want, rtol=1e-5, atol=1e-6):
 
 @contextlib.contextmanager
 def _spy_buffers(sizes=()):
-    """Record, within the block, the torch.zeros calls of a size in `sizes` ("zeros": their
-    args) and each FusedCommBuffer._copy_grad_to_buffer call ("copies": (the buffer, whether
-    it is the param's first check-in this step, a weakref to the storage it allocated or
-    None))."""
+    """Record in the block torch.zeros calls of a size in `sizes` ("zeros": args) and each
+    `_copy_grad_to_buffer` ("copies": (buffer, first check-in?, weakref of what it allocated))."""
     record = {"zeros": [], "copies": []}
     zeros, copy_in = torch.zeros, FusedCommBuffer._copy_grad_to_buffer
 

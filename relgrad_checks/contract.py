@@ -50,8 +50,8 @@ def _value(p):
 
 
 def groups_after_load(rank, world):
-    """param_groups / state re-read after load_state_dict: an LR set then reaches the step;
-    a scheduler on the wrapped torch optimizer raises."""
+    """An LR set (or scheduled) after load_state_dict reaches the step; a scheduler on the
+    wrapped torch optimizer raises."""
     hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):
         for release, st in _releases(strategy):
@@ -143,9 +143,8 @@ def add_param_group(rank, world):
 
 
 def hooks(rank, world):
-    """torch's step and state_dict / load_state_dict hooks run on the wrappers, in order, and
-    what a hook returns is what is saved / loaded: the load pre-hook swaps in a state saved
-    with lr 0.5, which the next step uses (w: 1 -> 0 at lr 1, then -> -0.5)."""
+    """torch's step and state_dict hooks run on the wrappers, in order; the load pre-hook's
+    state (lr 0.5) is what loads (w: 1 -> 0 at lr 1, then -0.5)."""
     hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):
         m, opt = _scalar(kind, hcg, strategy)
@@ -181,8 +180,8 @@ def hooks(rank, world):
 
 
 def grad_on_some_ranks(rank, world, dp=1):
-    """A param left out of one rank's loss: no hang, stepped on the mean with zeros for the
-    missing grads (one process on the whole batch), v1 and v2, release off and on."""
+    """A param left out of one rank's loss is stepped on the mean (zeros for the missing grads),
+    v1 and v2, release off and on."""
     hcg, strategy = _sharding_groups(world // dp, dp)
     # 2 ranks: a = 1 - (1 + 3) / 2, b = 1 - (1 + 0) / 2; 4 ranks: a = 1 - (1 + 3 + 5 + 7) / 4,
     # b = 1 - (1 + 3 + 5 + 0) / 4
@@ -225,8 +224,7 @@ def _built(kind, st, hcg, opt_name="sgd", dtype=torch.float32):
 
 
 def v2_model_moved(rank, world):
-    """v2, model.to(float64).to(float32) after building: trains as one process; a model left
-    in float64 raises on every rank."""
+    """v2: model.to(float64).to(float32) trains as one process; a model left in float64 raises."""
     hcg, strategy = _sharding_groups(world)
     oracle = _oracle(lambda: _mlp([6, 16, 4]), "sgd", 3, 8)
     for release, st in _releases(strategy):
@@ -242,8 +240,7 @@ def v2_model_moved(rank, world):
 
 
 def unfrozen_param(rank, world):
-    """Built while a layer is frozen, trained after unfreezing: v1 trains it as one process
-    does; v2 raises on every rank (it has no slot)."""
+    """A layer frozen at build, then unfrozen: v1 trains it as one process; v2 raises."""
     hcg, strategy = _sharding_groups(world)
     oracle = _oracle(lambda: _mlp([6, 16, 4]), "sgd", 3, 8)
     for release, st in _releases(strategy):
@@ -262,8 +259,8 @@ def unfrozen_param(rank, world):
 
 
 def main_grad_some_layers(rank, world):
-    """bf16, main-grad hooks on some layers only: v2 raises at construction (one bucket) or,
-    hooks added after building, at step() on every rank."""
+    """bf16, main-grad hooks on some layers: v2 raises at build, or at step() for hooks added
+    after it."""
     hcg, strategy = _sharding_groups(world)
     for _, st in _releases(strategy):
         model = _mlp([6, 16, 4]).to(torch.bfloat16)
@@ -279,8 +276,8 @@ def main_grad_some_layers(rank, world):
 
 
 def zero_grad_before_step(rank, world):
-    """zero_grad() between backward and step(): v1 and v2 raise alike on every rank, and a
-    model whose params were replaced (load_state_dict(assign=True)) raises the same way."""
+    """zero_grad() between backward and step(), or params replaced by assign=True, raise alike
+    in v1 and v2."""
     hcg, strategy = _sharding_groups(world)
     for release, st in _releases(strategy):
         for kind in (V1, V2):
@@ -298,8 +295,8 @@ def zero_grad_before_step(rank, world):
 
 
 def no_grad_not_stepped(rank, world):
-    """AdamW (weight decay) with a layer no rank uses: v1 and v2 leave it untouched, as one
-    process does, release on == off bitwise, the rest equal to one process."""
+    """AdamW with a layer no rank uses: v1 and v2 leave it untouched, release on == off, the
+    rest like one process."""
     hcg, strategy = _sharding_groups(world)
 
     def make():
@@ -338,9 +335,8 @@ def grad_scaler(rank, world):
 
 
 def stateful_template(rank, world):
-    """A torch optimizer that already has state (stepped, or loaded from a checkpoint) is
-    refused when wrapped, on every rank even if only one rank has it; MixPrecisionOptimizer
-    loads a plain torch state_dict instead; v2 refuses a shape-dependent optimizer."""
+    """A torch optimizer with state is refused on every rank (even if one rank has it);
+    MixPrecisionOptimizer loads a torch state_dict; v2 refuses shape-dependent optimizers."""
     hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):
         model = _Params(a=1.0, b=2.0)
@@ -372,8 +368,8 @@ def stateful_template(rank, world):
 
 
 def _check_element_wise(hcg, strategy):
-    """v2 refuses Adafactor and a subclass with its own step; Adagrad (whose state is built
-    at construction) trains under v1 as one process does."""
+    """v2 refuses Adafactor and a subclass with its own step; Adagrad (state built at
+    construction) trains under v1 as one process does."""
     with pytest.raises(ValueError, match="needs an element-wise optimizer.*got Adafactor"):
         _shard(V2, torch.optim.Adafactor(_Params(a=1.0).parameters()), hcg, strategy)
 

@@ -50,8 +50,7 @@ def _check_layout(rank, world):
 
 
 def _hooked(params, acc=1, act=ALL_REDUCE, dst=None, **kwargs):
-    """One bucket of `params` on the default group (REDUCE: to global rank 1 unless `dst`),
-    each param's grad checked in by its post-accumulate hook."""
+    """One bucket of `params` (REDUCE: to global rank 1 unless `dst`), its hooks registered."""
     if dst is None:
         dst = 1 if act == REDUCE else -1
     buf = FusedCommBuffer(0, params, None, acc, act, dst, **kwargs)
@@ -133,8 +132,8 @@ def _expected_and_got(buf, params, local, act, rank, world):
 
 
 def _check_lifetime(rank, world):
-    """Release on: absent before each step's first check-in, one allocation per step, freed
-    after release. Release off: one buffer at one address that every grad shares."""
+    """Release: absent before each step's first check-in, one allocation per step, freed at
+    release. Off: one buffer at one address that every grad shares."""
     for act in ACTIONS:
         params = _new_params([(33,), (5, 5)])
         buf = _hooked(params, 2, act, 0 if act == REDUCE else -1, release_grads=True)
@@ -194,15 +193,20 @@ def _check_main_grad(rank, world):
 def _check_misuse(rank, world):
     """Bad arguments and misuse raise clear errors on every rank."""
     params = _new_params([(4,), (3,)])
-    for match, kwargs in (("act must be", {"act": None}), ("act must be", {"act": 7}),
-                          ("needs dst", {"act": REDUCE}),
-                          ("only meaningful with act=REDUCE", {"act": ALL_REDUCE, "dst": 0}),
-                          ("fuse_param=True and release_grads=True",
-                           {"act": ALL_REDUCE, "fuse_param": True, "release_grads": True})):
+    for match, built_of, args, kwargs in (
+            ("act must be", params, (), {"act": None}), ("act must be", params, (), {"act": 7}),
+            ("needs dst", params, (), {"act": REDUCE}),
+            ("only meaningful with act=REDUCE", params, (), {"act": ALL_REDUCE, "dst": 0}),
+            ("fuse_param=True and release_grads=True", params, (),
+             {"act": ALL_REDUCE, "fuse_param": True, "release_grads": True}),
+            ("at least one param", [], (), {"act": ALL_REDUCE}),
+            ("acc_steps must be an int >= 1", _new_params([(4,)]), (0,), {"act": ALL_REDUCE}),
+            ("acc_steps must be an int >= 1", _new_params([(4,)]), (2.5,), {"act": ALL_REDUCE}),
+            ("do not require grad", [torch.zeros(3)], (), {"act": ALL_REDUCE}),
+            (f"needs dst, the owner's global rank in comm_group.*got {world}",
+             _new_params([(4,)]), (), {"act": REDUCE, "dst": world})):
         with pytest.raises(ValueError, match=match):
-            FusedCommBuffer(0, params, None, **kwargs)
-    with pytest.raises(ValueError, match="at least one param"):
-        FusedCommBuffer(0, [], None, act=ALL_REDUCE)
+            FusedCommBuffer(0, built_of, None, *args, **kwargs)
     buf = FusedCommBuffer(0, params, None, act=ALL_REDUCE)
     with pytest.raises(ValueError, match="not in bucket"):
         buf.add_grad(nn.Parameter(torch.zeros(4)))
@@ -223,20 +227,12 @@ def _check_misuse(rank, world):
         lone.sum().backward()
     with pytest.raises(RuntimeError, match="release_grads=False: its grad buffer must persist"):
         buf._clear_grad_storage()
-    for acc_steps in (0, 2.5):
-        with pytest.raises(ValueError, match="acc_steps must be an int >= 1"):
-            FusedCommBuffer(0, _new_params([(4,)]), None, acc_steps, act=ALL_REDUCE)
-    with pytest.raises(ValueError, match="do not require grad"):
-        FusedCommBuffer(0, [torch.zeros(3)], None, act=ALL_REDUCE)
-    with pytest.raises(ValueError,
-                       match=f"needs dst, the owner's global rank in comm_group.*got {world}"):
-        FusedCommBuffer(0, _new_params([(4,)]), None, act=REDUCE, dst=world)
     _check_skipped_parts(rank)
 
 
 def _check_skipped_parts(rank):
-    """Release on, used by hand: each skipped part of a step raises at the next check-in; a
-    stale main_grad read raises; fuse_param moves params into one flat buffer."""
+    """Release, by hand: a skipped part of a step raises at the next check-in, as does a stale
+    main_grad; fuse_param moves params into one flat buffer."""
     params = _new_params([(4,), (3,)])
     buf = _hooked(params, 2, release_grads=True)
     for _ in range(2):
@@ -272,8 +268,7 @@ def _check_skipped_parts(rank):
 
 
 def _signed_zero_grads(params, k):
-    """One micro-batch: `params[0]`'s grad is nonzero, `params[1]`'s is -0.0 in every element
-    (the grad of `-0.0 * (c * z).sum()`, c > 0)."""
+    """One micro-batch: `params[0]`'s grad nonzero, `params[1]`'s -0.0 everywhere."""
     p, z = params
     c = torch.rand(z.shape, generator=torch.Generator().manual_seed(k)) + 1
     ((p * (k + 1)).sum() + (c * z).sum() * -0.0).backward()
@@ -314,8 +309,8 @@ def _check_sign_of_zero(rank, world):
 
 
 def _check_main_grad_before_hooks(rank, world):
-    """bf16 params, fp32 main grads, the buffer built before `register_main_grad_hooks`:
-    release on trains bitwise as off (construction reads no main_grad under release)."""
+    """bf16 with main grads, the buffer built before `register_main_grad_hooks`: release on
+    trains bitwise as off."""
     for act in (ALL_REDUCE, REDUCE_SCATTER):
         finals = {}
         for release in (False, True):

@@ -23,37 +23,34 @@ from relgrad_checks.pipe import (_V1, _V2, _assert_like, _buffers, _own_buffers,
 # Read off the paper's Figure 4 rule (Narayanan et al. 2021): micro-batches go through chunk 0
 # in groups of P=2, then the same group through chunk 1; backwards take the chunks in reverse.
 # Warm-up: 2(P-s-1) + (V-1)P forwards, i.e. 4 on rank 0 and 2 on rank 1; then one forward,
-# one backward; then the remaining backwards. Entries: (F|B, micro-batch, virtual stage).
-F, B = "F", "B"
-ORDER = {
-    4: [  # accumulate_steps 4
-        [(F, 0, 0), (F, 1, 0), (F, 0, 1), (F, 1, 1),
-         (F, 2, 0), (B, 0, 1), (F, 3, 0), (B, 1, 1), (F, 2, 1), (B, 0, 0), (F, 3, 1), (B, 1, 0),
-         (B, 2, 1), (B, 3, 1), (B, 2, 0), (B, 3, 0)],
-        [(F, 0, 0), (F, 1, 0),
-         (F, 0, 1), (B, 0, 1), (F, 1, 1), (B, 1, 1), (F, 2, 0), (B, 0, 0), (F, 3, 0), (B, 1, 0),
-         (F, 2, 1), (B, 2, 1), (F, 3, 1), (B, 3, 1),
-         (B, 2, 0), (B, 3, 0)],
-    ],
-    8: [  # accumulate_steps 8
-        [(F, 0, 0), (F, 1, 0), (F, 0, 1), (F, 1, 1),
-         (F, 2, 0), (B, 0, 1), (F, 3, 0), (B, 1, 1), (F, 2, 1), (B, 0, 0), (F, 3, 1), (B, 1, 0),
-         (F, 4, 0), (B, 2, 1), (F, 5, 0), (B, 3, 1), (F, 4, 1), (B, 2, 0), (F, 5, 1), (B, 3, 0),
-         (F, 6, 0), (B, 4, 1), (F, 7, 0), (B, 5, 1), (F, 6, 1), (B, 4, 0), (F, 7, 1), (B, 5, 0),
-         (B, 6, 1), (B, 7, 1), (B, 6, 0), (B, 7, 0)],
-        [(F, 0, 0), (F, 1, 0),
-         (F, 0, 1), (B, 0, 1), (F, 1, 1), (B, 1, 1), (F, 2, 0), (B, 0, 0), (F, 3, 0), (B, 1, 0),
-         (F, 2, 1), (B, 2, 1), (F, 3, 1), (B, 3, 1), (F, 4, 0), (B, 2, 0), (F, 5, 0), (B, 3, 0),
-         (F, 4, 1), (B, 4, 1), (F, 5, 1), (B, 5, 1), (F, 6, 0), (B, 4, 0), (F, 7, 0), (B, 5, 0),
-         (F, 6, 1), (B, 6, 1), (F, 7, 1), (B, 7, 1),
-         (B, 6, 0), (B, 7, 0)],
-    ],
+# one backward; then the remaining backwards.
+def _order(text):
+    """[(F | B, micro-batch, virtual stage)] of "F0.0 F1.0 | ... | B3.0" (| between phases)."""
+    entries = []
+    for entry in text.split():
+        if entry != "|":
+            micro_batch, chunk = entry[1:].split(".")
+            entries.append((entry[0], int(micro_batch), int(chunk)))
+    return entries
+
+
+ORDER = {  # accumulate_steps: [rank 0's, rank 1's], warm-up | steady 1F1B | cool-down
+    4: [_order("F0.0 F1.0 F0.1 F1.1 | F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 |"
+               " B2.1 B3.1 B2.0 B3.0"),
+        _order("F0.0 F1.0 | F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 |"
+               " B2.0 B3.0")],
+    8: [_order("F0.0 F1.0 F0.1 F1.1 | F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 F4.0 B2.1"
+               " F5.0 B3.1 F4.1 B2.0 F5.1 B3.0 F6.0 B4.1 F7.0 B5.1 F6.1 B4.0 F7.1 B5.0 |"
+               " B6.1 B7.1 B6.0 B7.0"),
+        _order("F0.0 F1.0 | F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1"
+               " F4.0 B2.0 F5.0 B3.0 F4.1 B4.1 F5.1 B5.1 F6.0 B4.0 F7.0 B5.0 F6.1 B6.1"
+               " F7.1 B7.1 | B6.0 B7.0")],
 }
 # Where each chunk's collective is issued (acc 4), by Paddle's rule: over the last P*V = 4
 # backwards, count 1..4; chunk V-m fires at count m*P + stage, chunk 0 of stage 1 at count 4.
 # Rank 0's last backwards B2.1 B3.1 B2.0 B3.0: chunk 1 at B3.1, chunk 0 at B3.0.
 # Rank 1's last backwards B3.1 B2.0 B3.0 (count 2, 3, 4): chunk 1 at B2.0, chunk 0 at B3.0.
-FIRES_AT = [{1: (B, 3, 1), 0: (B, 3, 0)}, {1: (B, 2, 0), 0: (B, 3, 0)}]
+FIRES_AT = [{1: ("B", 3, 1), 0: ("B", 3, 0)}, {1: ("B", 2, 0), 0: ("B", 3, 0)}]
 
 
 def _interleaved(strategy, hcg, layers=None, vpp=2, bounds=None):
@@ -64,9 +61,8 @@ def _interleaved(strategy, hcg, layers=None, vpp=2, bounds=None):
 
 
 def schedule_and_errors(rank, world):
-    """pp 2, 2 virtual stages: the order for 4 and 8 micro-batches equals the hand-written
-    tables; the chunks hold layers s, s+P of the cut; eval equals one process; misuse raises
-    on every rank before any communication."""
+    """pp 2, 2 virtual stages: the order of 4 and 8 micro-batches is the table, chunks hold
+    layers s, s+P, eval equals one process; misuse raises on every rank before communicating."""
     torch.manual_seed(0)
     for acc in (4, 8):
         strategy = _strategy(pp=2, acc=acc)
@@ -122,10 +118,8 @@ def _whole_model(model, hcg):
 
 
 def _probe(seen, release, fires_at, overlap):
-    """train_batch, checking per chunk: one allocation per bucket, one collective per bucket
-    after the chunk's last backward (where Paddle fires it), every buffer freed after.
-    `overlap` (from the test's strategy): the pipeline builds buffers; without it v2's own
-    buffers are checked freed after the step with release, kept without."""
+    """train_batch, checking per chunk one allocation and one collective per bucket (after the
+    chunk's last backward, where Paddle fires it) and every buffer freed after the step."""
     def probe(model, opt, data):
         seen.model = model
         assert not release or all(b.grad_storage is None for b in _buffers(model))
@@ -166,8 +160,7 @@ def _probe(seen, release, fires_at, overlap):
 
 def _train(hcg, strategy, vpp, wrap, opt_name, dtype, main_grad, steps, mbs, probe=None,
            bounds=None, clip=None, keep=None):
-    """Losses and whole-model params after each step, trained with `vpp` virtual stages;
-    `keep` (a dict), if given, gets the "model" and the "opt"."""
+    """Losses and whole-model params per step with `vpp` virtual stages; `keep` gets model, opt."""
     layers = _tag_layers(dtype, main_grad)
     if vpp == 1:
         model = PipelineParallel(layers, hcg, strategy, _mse)
@@ -191,8 +184,7 @@ def _train(hcg, strategy, vpp, wrap, opt_name, dtype, main_grad, steps, mbs, pro
 
 def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad=False,
                 steps=2, mbs=2, bounds=None):
-    """Release off and on: bitwise equal to plain 1F1B (same per-param sums in the same
-    micro-batch order) and per step equal to one process (`_reference`)."""
+    """Release off and on: bitwise equal to plain 1F1B and per step like one process."""
     reference = _reference(hcg, base, opt_name, dtype, main_grad, steps, mbs)
     args = (wrap, opt_name, dtype, main_grad, steps, mbs)
     plain = _train(hcg, base, 1, *args)
@@ -216,9 +208,8 @@ def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad
 
 
 def pp_only(rank, world):
-    """pp 2, 2 virtual stages (2 ranks): 4 micro-batches with SGD, Adam and delay_scale_loss,
-    and 2 (= pp, so rank 0 runs every forward in its warm-up), release off and on; then
-    global-norm clipping over the chunks against one process clipping with torch."""
+    """pp 2, 2 virtual stages: 4 micro-batches (SGD, Adam, delay_scale_loss) and 2 (= pp),
+    release off and on; then clipping over the chunks against torch's on one process."""
     for acc, opt_name, delay in ((4, "sgd", False), (4, "adam", False), (4, "sgd", True),
                                  (2, "sgd", False)):
         strategy = _strategy(pp=2, acc=acc, delay_scale_loss=delay)
@@ -258,8 +249,8 @@ class _RecordingClip(ClipGradByGlobalNorm):
 
 
 def with_sharding_and_dp(rank, world):
-    """pp 2 x sharding 2 (v1, v2; overlap on and off; v2 with bf16 params and fp32 main grads),
-    pp 2 x dp 2 with dp overlap, and pp 4 (4 and 8 micro-batches), 2 virtual stages, 4 ranks."""
+    """2 virtual stages: pp 2 x sharding 2 (v1, v2, overlap on / off, v2 with main grads), pp 2
+    x dp 2 with overlap, pp 4 (4 and 8 micro-batches)."""
     for version, overlap, main_grad in ((1, True, False), (1, False, False), (2, True, False),
                                         (2, False, False), (2, True, True)):
         strategy = _strategy(pp=2, sharding=2, acc=4, sharding_comm_overlap=overlap,
@@ -280,9 +271,8 @@ def with_sharding_and_dp(rank, world):
 
 
 def tied_weights(rank, world, steps=3, clip=0.05):
-    """pp 2 x sharding 2, 2 virtual stages, v1 / v2 with overlap and v1 without, release on:
-    a weight tied between chunk 0 (rank 0) and chunk 3 (rank 1) stays bitwise equal on all
-    ranks, and training (clipped) equals one process using one weight twice."""
+    """pp 2 x sharding 2, 2 virtual stages, release: a weight tied between chunk 0 and chunk 3
+    stays equal everywhere and trains (clipped) as one process using one weight twice."""
     batch = 2 * 2 * 2  # replicas x micro-batches x samples
     oracle_norms, oracle = _tied_oracle(steps, clip, batch)
     for version, overlap in ((1, True), (2, True), (1, False)):

@@ -49,9 +49,8 @@ def _pipe_oracle(opt_name, steps, batch, dtype=torch.float32):
 
 
 def _reference(hcg, base, opt_name, dtype, main_grad, steps, mbs):
-    """One process on the whole batch: (losses, params per step, its optimizer or None). fp32:
-    plain; bf16 with main grads: summing in the ranks' order (`_main_grad_oracle`; all its
-    params move; the losses are this replica's)."""
+    """One process on the whole batch: (losses, params per step, optimizer or None); bf16 with
+    main grads: summing in the ranks' order, all params moved, this replica's losses."""
     replicas, replica = _replica(hcg, base)
     if not main_grad:
         losses, traj = _pipe_oracle(opt_name, steps, replicas * base.accumulate_steps * mbs,
@@ -127,11 +126,9 @@ def _spy_collectives():
 
 
 def _release_probe(seen, release, overlap):
-    """train_batch, checking the buffers' life and when each bucket's collective fires.
-    `release` and `overlap` (the pipeline builds fused buffers) are what the test's strategy
-    asked for, never read back from the model. Without overlap, v2's own buffers (if any)
-    are checked: allocated at step() with release, freed after it, and at one address
-    across steps without release."""
+    """train_batch, checking the buffers' life and when each collective fires (`release`,
+    `overlap`: what the strategy asked); without overlap v2's own buffers: allocated at step()
+    and freed (release), at one address (off)."""
     addresses = []
 
     def probe(model, opt, data, step):
@@ -170,8 +167,8 @@ def _release_probe(seen, release, overlap):
 
 
 def _check_schedule(model, seen, record, buffers, own, release, overlap):
-    """After the schedule: one collective per pipeline bucket, in the last micro-batch's
-    backward, each buffer allocated at its first copy (release); v2's own buffers untouched."""
+    """After the schedule: one collective per bucket, in the last backward; release allocates at
+    the first copy; v2's own buffers untouched."""
     first_copy = [made is not None for _, _, made in record["copies"]]
     assert bool(buffers) == overlap, (len(buffers), overlap)
     assert not (buffers and own), "v2 has its own buffers only without pipeline overlap"
@@ -186,8 +183,7 @@ def _check_schedule(model, seen, record, buffers, own, release, overlap):
 
 
 def _check_released(model, data, buffers, own, storages, release):
-    """After the step: release leaves no buffer or grad behind (eval allocates none either);
-    release off keeps the grads."""
+    """After the step: release leaves no buffer or grad (eval allocates none); off keeps grads."""
     params = list(model.parameters())
     assert params
     if not release:  # zeroed in place, kept
@@ -221,8 +217,7 @@ def _pipe_run(hcg, strategy, opt_name, steps, mbs, wrap=None, dtype=torch.float3
 
 def _check_pipeline(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad=False,
                     steps=3, mbs=2):
-    """Release off and on: per step equal to one process (`_reference`), and bitwise equal
-    to each other."""
+    """Release off and on: per step like one process (`_reference`), bitwise like each other."""
     reference = _reference(hcg, base, opt_name, dtype, main_grad, steps, mbs)
     overlap = base.pp_configs.sharding_comm_overlap or base.pp_configs.dp_comm_overlap
     runs = {}
@@ -255,10 +250,8 @@ def pp_sharding(rank, world, version, opt_name="adam", main_grad=False, overlap=
 
 
 def sharding_flag_under_pp_overlap(rank, world):
-    """pp 2 x sharding 2, v2, sharding comm overlap, the later sharding-side release flag on
-    and the PP flag off: the pipeline built its buffers without release, so they persist at
-    one address (v2's clear_grad must leave them alone), dropping grads raises, and training
-    equals one process."""
+    """pp 2 x sharding 2, v2, pipeline overlap, sharding-side release flag only: the pipeline's
+    buffers persist at one address, dropping grads raises, training equals one process."""
     strategy = _strategy(pp=2, sharding=2, acc=4, sharding_comm_overlap=True,
                          split_param=True)
     strategy.sharding_configs.release_gradients = True
@@ -370,10 +363,8 @@ def _failing_worker(rank, world):
 
 
 def _hanging_worker(rank, world, hold=60.0):
-    """Rank 0 waits for a message rank 1 never sends; rank 1 stays alive (for `hold` seconds)
-    so the wait ends only by the launcher's timeout, not by the peer's exit resetting the
-    connection. Rank 0 polls instead of blocking in gloo, whose own timeout (the launcher's)
-    would otherwise race the launcher's."""
+    """Rank 0 polls for a message rank 1 never sends while rank 1 lives `hold` seconds: only the
+    launcher's timeout ends it (not the peer's exit, nor gloo's own timeout)."""
     if rank == 0:
         work = dist.irecv(torch.zeros(1), src=1)  # rank 1 never sends
         deadline = time.monotonic() + hold

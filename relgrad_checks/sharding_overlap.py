@@ -67,11 +67,9 @@ def _read_part(buf, rank):
 
 
 def _watch(buf, record, free, timing=None, buffers=()):
-    """Wrap `buf._complete_comm` (`scale_grads` or, with free_grads_in_comm, a later check-in
-    calls it): record the read part right after the collective and, with free, check that the
-    rest is dead and the read part is a storage of its own. With `timing` ({"in_backward":
-    bool, "entries": list}), append whether this happened in backward while some bucket of
-    `buffers` was still being filled (no collective issued)."""
+    """Wrap `buf._complete_comm`: record the read part right after the collective; with free,
+    check the rest is dead and the part a storage of its own. `timing`: note whether it ran
+    in backward while a bucket of `buffers` still filled."""
     original = buf._complete_comm
 
     def complete_comm():
@@ -150,10 +148,8 @@ def _assert_same_runs(parts, trajs, buckets=True):
 # ---------------------------------------------------------------- sharding's own overlap
 
 def _train_own(hcg, version, strategy, watch=None, free=False, record=None):
-    """No pipeline: each sharding rank trains 3 steps on its slice of a batch of 24 in `acc`
-    micro-batches; returns the params after each step. `record`: a `_spy_buffers` record of
-    each step(). With free and v1 without overlap, checks after each step() that only the
-    owned params kept their grads."""
+    """3 steps on this rank's slice of a batch of 24 in `acc` micro-batches: the params per step;
+    `record` gathers `_spy_buffers` of each step(); free, v1 without overlap: owners keep grads."""
     group_rank, nranks = dist.get_rank(), dist.get_world_size()
     acc = strategy.sharding_configs.accumulate_steps
     overlap = strategy.sharding_configs.comm_overlap
@@ -183,9 +179,8 @@ def _train_own(hcg, version, strategy, watch=None, free=False, record=None):
 
 
 def own_overlap(rank, world):
-    """Sharding's own comm overlap without a pipeline, v1 and v2, acc 1 and 4, release off
-    and on: equal to one process, release on == off bitwise; with release one allocation per
-    bucket per step, during backward, and no copy at step(); misuse raises on every rank."""
+    """Own overlap, v1 and v2, acc 1 and 4: one process, release on == off, one allocation per
+    bucket per step (none and no copy at step()), misuse raising on every rank."""
     hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
     for version in (1, 2):
         for acc in (1, 4):
@@ -206,8 +201,8 @@ def own_overlap(rank, world):
 
 
 def _check_one_allocation_per_bucket(hcg, version, world):
-    """Release on, acc 2: per step each bucket allocates its buffer once, at its first
-    check-in in the first backward; step() neither allocates nor copies."""
+    """Release, acc 2: each bucket allocates once per step, at its first check-in; step() neither
+    allocates nor copies."""
     model = _mlp([6, 16, 4])
     opt = _shard(_CLASSES[version], OPTIMIZERS["sgd"](model.parameters()), hcg,
                  _own_strategy(world, 2, True))
@@ -230,8 +225,8 @@ def _check_one_allocation_per_bucket(hcg, version, world):
 
 
 def _check_own_overlap_misuse(hcg, version, world):
-    """An unused param, too few and too many backward passes: ValueError on every rank, and
-    the group is still usable afterwards (nothing left in flight)."""
+    """An unused param, too few and too many backward passes raise on every rank; nothing is
+    left in flight."""
     for release in (False, True):
         st = _own_strategy(world, 2, release)
         model = nn.ModuleList([_mlp([6, 16, 4]), nn.Linear(3, 3)])  # [1] is never called
@@ -289,10 +284,8 @@ def _check_config_errors(hcg, world):
 # ---------------------------------------------------------------- free_grads_in_comm
 
 def free_in_comm(rank, world):
-    """No pipeline, v1 and v2, own overlap with acc 1 and 4 and, acc 1, the path without it
-    (reduce at step()), 3 steps each: release + free_grads_in_comm gives params bitwise equal
-    to release off; right after each bucket's collective the part this rank will not read is
-    dead and the part it reads is alive and bitwise as with release off."""
+    """Own overlap (acc 1, 4) and without it (acc 1, reduce at step()), v1 and v2: after each
+    collective the unread part is dead, the read part and the params as release off."""
     hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
     for version in (1, 2):
         for acc, overlap in ((1, True), (4, True), (1, False)):  # without: step() reduces
@@ -305,8 +298,8 @@ def free_in_comm(rank, world):
 
 
 def free_in_comm_pipeline(rank, world):
-    """pp 2 x sharding 2, pipeline sharding comm overlap, v1 and v2, acc 1 and 4: the same
-    checks as `free_in_comm`, on the pipeline's buffers."""
+    """pp 2 x sharding 2 with the pipeline's overlap, v1 and v2, acc 1 and 4: `free_in_comm`'s
+    checks on the pipeline's buffers."""
     hcg = None
     for version in (1, 2):
         for acc in (1, 4):
@@ -351,10 +344,8 @@ def _train_pipe(hcg, version, strategy, record, free, mbs=2):
 
 
 def free_during_backward(rank, world):
-    """Own overlap, v1 and v2, acc 1 and 4, 6 buckets: with free_grads_in_comm each bucket's
-    collective completes, and what this rank will not read is dead (weakref), during the
-    last backward while later buckets are still being filled (all but the last two); the
-    read parts and the params equal release off bitwise."""
+    """Own overlap, v1 and v2, acc 1 and 4, 6 buckets: with free the collectives complete (the
+    unread part dead) during the last backward; read parts and params as release off."""
     hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
     for version, cls in ((1, _SmallBucketsV1), (2, _OneParamBucketsV2)):
         for acc in (1, 4):
@@ -401,10 +392,8 @@ def _train_watched(hcg, cls, strategy, record, timing, free):
 
 
 def end_of_backward_bytes(rank, world):
-    """v2 on gloo, own overlap, release on, acc 1, 1 MB buckets: the allocator's bytes right
-    after backward exceed those before the forward by at most G + one bucket + 256 KiB (G the
-    grad buffers' bytes): no collective temporary of a bucket's size outlives its collective.
-    Returns (G, bucket bytes, the measured growth per step)."""
+    """v2, own overlap, release, 1 MB buckets: the bytes after backward exceed those before the
+    forward by at most G + one bucket + 256 KiB. Returns (G, bucket bytes, growth per step)."""
     from relgrad_demo.memory import allocator_in_use_bytes
     st = _own_strategy(world, 1, True)
     st.sharding_configs.split_param = True

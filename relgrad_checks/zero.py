@@ -24,8 +24,8 @@ def _run(hcg, strategy, version, make_model, opt_name, set_to_none=True, sched=F
 
 
 def _check_against_oracle(hcg, strategy, make_model, sched=False):
-    """v1/v2 x SGD/Adam x release off/on: oracle-equal each step, equal across sharding ranks,
-    release on == off bitwise, non-zero updates; zero_grad() works with release on."""
+    """v1/v2 x SGD/Adam x release off/on: each step like one process and equal across sharding
+    ranks, params moving, release on == off bitwise."""
     group = hcg.get_sharding_parallel_group()
     for version in (1, 2):
         for opt_name in ("sgd", "adam"):
@@ -95,10 +95,8 @@ def _grad_refs(model, opt):
 
 
 def lifetime(rank, world, side="pp_configs"):
-    """v2: release on frees every grad, main_grad, slice grad and buffer after step() +
-    clear_grad(set_to_zero=False); release off keeps them at one address; misuse raises.
-    `side`: the config whose `release_gradients` turns release on (the seed's PP flag, or
-    the later sharding-side flag)."""
+    """v2: release frees every grad, main_grad, slice grad and buffer at clear_grad(set_to_zero=
+    False), off keeps them at one address; `side`: the config whose flag turns release on."""
     hcg, strategy = _sharding_groups(world)
     for main_grad in (False, True):
         for release, st in _releases(strategy, side):
@@ -129,8 +127,8 @@ def lifetime(rank, world, side="pp_configs"):
 
 
 def unused_param(rank, world):
-    """v2 with a param that gets no grad: release on and off give the same bits; a second
-    step() and a zero_grad() between backward and step() raise."""
+    """v2, a param without grad: release on == off; a second step() and a zero_grad() between
+    backward and step() raise."""
     hcg, strategy = _sharding_groups(world)
     trajs = {}
     for release, st in _releases(strategy):
@@ -176,8 +174,8 @@ def sched_and_state(rank, world):
 
 
 def main_grad(rank, world):
-    """bf16 params with fp32 main grads and masters, v1 and v2: release on == off, both
-    bitwise equal to one process (`_main_grad_oracle`), whose params all move."""
+    """bf16 with main grads and masters, v1 and v2: release on == off == one process summing
+    in the ranks' order (`_main_grad_oracle`), bitwise."""
     hcg, strategy = _sharding_groups(world)
 
     def make():
