@@ -98,10 +98,8 @@ def _destroy_subgroups():
 
 
 class RankPool:
-    """`world` gloo ranks on 127.0.0.1 (a port the OS picks) that run scenario after scenario:
-    `run(fn, *args)` calls `fn(rank, world, *args)` on every rank and returns the results by
-    rank; a rank that raises or dies, or `timeout` seconds passed, kills every rank and raises
-    RankFailed (a closed pool is not reused)."""
+    """`world` gloo ranks on 127.0.0.1: `run(fn, *args)` returns `fn(rank, world, *args)` by rank;
+    a rank raising or dying, or `timeout` s passing, kills them all and raises RankFailed."""
 
     def __init__(self, world):
         self.world, self.closed = world, False
@@ -180,8 +178,7 @@ def _raise_on(rank, world, bad_rank):
 
 
 def test_pool_runs_and_recovers(ranks):
-    """Check that a rank that raises fails the test at once, ends all ranks, and the pool
-    rebuilds."""
+    """Check that a rank that raises fails at once, ends all ranks, and the pool rebuilds."""
     assert ranks(2).run(_raise_on, -1) == [0, 1]
     start = time.monotonic()
     with pytest.raises(RankFailed, match="injected failure on rank 1"):
@@ -233,20 +230,17 @@ def test_buffer_layout(ranks, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_buffer_actions_match_per_param_collectives(ranks, world):
-    """Check that all-reduce / reduce / reduce-scatter (acc 1, 4) equal per-param collectives
-    by hand, release on == off bitwise."""
+    """Check that the three actions (acc 1, 4) equal per-param collectives, release on == off."""
     ranks(world).run(fused_buffer._check_actions)
 
 
 def test_buffer_lifetime(ranks):
-    """Check that release allocates once per step at the first check-in and frees after
-    release; that without release one buffer lives at one address."""
+    """Check that release allocates once per step and frees at release; off keeps one address."""
     ranks(2).run(fused_buffer._check_lifetime)
 
 
 def test_buffer_main_grad(ranks):
-    """Check that bf16 params with fp32 main grads accumulate exactly (128 + 0.5), release
-    on == off."""
+    """Check that bf16 params' fp32 main grads sum exactly (128 + 0.5), release on == off."""
     ranks(2).run(fused_buffer._check_main_grad)
 
 
@@ -256,14 +250,12 @@ def test_buffer_misuse(ranks):
 
 
 def test_buffer_pin_sign_of_zero(ranks):
-    """Check that a grad of -0.0 in every micro-batch ends as +0.0 bit for bit, release on as
-    off (the first check-in adds into the zero buffer, as Paddle's develop does)."""
+    """Check that a -0.0 grad ends as +0.0 as in Paddle's develop, release on as off."""
     ranks(2).run(fused_buffer._check_sign_of_zero)
 
 
 def test_buffer_pin_main_grad_before_hooks(ranks):
-    """Check that a release buffer of fp32 main grads built before register_main_grad_hooks
-    trains bitwise as release off does (nothing reads main_grad at construction)."""
+    """Check that a buffer built before register_main_grad_hooks trains as release off."""
     ranks(2).run(fused_buffer._check_main_grad_before_hooks)
 
 
@@ -285,20 +277,17 @@ def test_assign_group_by_size():
 
 @pytest.mark.parametrize("world, dp", [(2, 1), (4, 2)])
 def test_sharding_against_one_process(ranks, world, dp):
-    """Check that v1 and v2 (SGD, Adam; alone on 2 ranks, beside dp 2 on 4) equal one process,
-    release on == off bitwise."""
+    """Check that v1 and v2 (alone, beside dp) equal one process, release on == off bitwise."""
     ranks(world).run(zero.against_oracle, dp)
 
 
 def test_sharding_edges(ranks):
-    """Check 4 ranks on tiny models against one process: a v1 rank owning nothing, v2 shards
-    of padding only."""
+    """Check that tiny models (a v1 rank owning nothing, v2 padding shards) train as one process."""
     ranks(4).run(zero.edges)
 
 
 def test_sharding_v2_buffer_lifetime(ranks):
-    """Check that v2 with release frees every grad and buffer at clear_grad; that without,
-    they stay at one address."""
+    """Check that v2's release frees every grad and buffer at clear_grad; off: one address."""
     ranks(2).run(zero.lifetime)
 
 
@@ -313,14 +302,12 @@ def test_sharding_v2_unused_param(ranks):
 
 
 def test_sharding_scheduler_and_state(ranks):
-    """Check that a torch LR scheduler drives the wrappers as one process, and state_dict
-    resumes bitwise."""
+    """Check that a torch LR scheduler drives the wrappers and state_dict resumes bitwise."""
     ranks(2).run(zero.sched_and_state)
 
 
 def test_sharding_main_grad(ranks):
-    """Check that bf16 params with fp32 main grads and masters, v1 and v2, equal one process
-    summing in the ranks' order bitwise, release on == off."""
+    """Check that v1 / v2 with main grads equal one process summing as the ranks do, bitwise."""
     ranks(2).run(zero.main_grad)
 
 
@@ -328,42 +315,35 @@ def test_sharding_main_grad(ranks):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharding_free_grads_in_comm(ranks, world):
-    """Check that free_grads_in_comm (v1, v2, own overlap, acc 1 and 4) frees what a rank will
-    not read right after each collective, keeps what it reads, and equals release off."""
+    """Check that free_grads_in_comm frees the unread part at each collective, as release off."""
     ranks(world).run(sharding_overlap.free_in_comm)
 
 
 def test_pipeline_sharding_free_grads_in_comm(ranks):
-    """Check the same on the pipeline's buffers (pp 2 x sharding 2, v1, v2, acc 1 and 4)."""
+    """Check that free_grads_in_comm does the same on the pipeline's buffers (pp 2 x sharding 2)."""
     ranks(4).run(sharding_overlap.free_in_comm_pipeline)
 
 
 def test_sharding_free_in_backward(ranks):
-    """Check that free_grads_in_comm (own overlap, 6 buckets, v1, v2, acc 1 and 4) frees each
-    bucket's unread part at a later check-in, in backward, never waiting there; params
-    bitwise equal to release off."""
+    """Check that free_grads_in_comm frees buckets during backward, never waiting, as off."""
     ranks(2).run(sharding_overlap.free_during_backward)
 
 
 def test_sharding_v2_end_of_backward_bytes(ranks):
-    """Check that v2 on gloo holds at most G + one bucket (+ 256 KiB) more at the end of
-    backward than before the forward: no collective temporary outlives its collective."""
+    """Check that v2 ends backward at most G + a bucket (+ 256 KiB) above the forward's start."""
     for grad_bytes, bucket, growth in ranks(2).run(sharding_overlap.end_of_backward_bytes):
         assert grad_bytes > 4_000_000 and len(growth) == 4, (grad_bytes, growth)
 
 
 def test_sharding_own_comm_overlap(ranks):
-    """Check that sharding's own comm overlap (v1, v2, acc 1 and 4) equals one process,
-    allocates once per bucket per step, copies nothing at step(), and that misuse raises on
-    every rank."""
+    """Check that sharding's own overlap equals one process, allocates once, refuses misuse."""
     ranks(2).run(sharding_overlap.own_overlap)
 
 
 # ---- checkpoints: relgrad_checks/checkpoints.py
 
 def test_sharding_checkpoint_across_world_sizes(ranks, tmp_path):
-    """Check that consolidated v1 / v2 states resume across 1, 2, 3 ranks as one process
-    trains; that wrong layouts raise."""
+    """Check that consolidated states resume across 1, 2, 3 ranks as one process; bad ones raise."""
     ranks(2).run(checkpoints.save_on_two, str(tmp_path))
     ranks(3).run(checkpoints.load_on_three, str(tmp_path))
     ranks(2).run(checkpoints.load_from_three, str(tmp_path))
@@ -417,8 +397,7 @@ _CONTRACT = {
 
 @pytest.mark.parametrize("case", list(_CONTRACT))
 def test_contract(ranks, case):
-    """Check that the wrappers (v1, v2, MixPrecision) keep the torch optimizer contract in
-    `case` (commented in _CONTRACT), on every rank."""
+    """Check that the wrappers keep the torch optimizer contract of `case` (see _CONTRACT)."""
     scenario, world, args, timeout = _CONTRACT[case]
     ranks(world).run(scenario, *args, timeout=timeout)
 
@@ -427,26 +406,22 @@ def test_contract(ranks, case):
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_pipeline_sharding_overlap(ranks, version):
-    """Check that pp 2 x sharding 2 with sharding comm overlap equals one process, release on
-    == off, with one collective per bucket in the last backward and buffers freed after."""
+    """Check that pp 2 x sharding 2 with overlap equals one process, firing and freeing right."""
     ranks(4).run(pipe.pp_sharding, version, "adam" if version == 1 else "sgd")
 
 
 def test_pipeline_sharding_v2_main_grad(ranks):
-    """Check that pp 2 x sharding 2, v2 with bf16 params and fp32 main grads, equals one
-    process summing in the ranks' order bitwise, release on == off."""
+    """Check that pp 2 x sharding 2, v2 with main grads, equals one process bitwise."""
     ranks(4).run(pipe.pp_sharding, 2, "adam", True)
 
 
 def test_pipeline_sharding_side_flag_keeps_pipeline_buffers(ranks):
-    """Check that the sharding-side release flag with the PP flag off leaves the pipeline's
-    buffers (built without release) in place under sharding comm overlap."""
+    """Check that the sharding-side flag alone leaves the pipeline's buffers in place."""
     ranks(4).run(pipe.sharding_flag_under_pp_overlap)
 
 
 def test_pipeline_sharding_v2_own_buffers(ranks):
-    """Check pp 2 x sharding 2, v2 without pipeline overlap (v2's own buffers, #58621),
-    against one process."""
+    """Check that pp 2 x sharding 2, v2 on its own buffers (#58621), equals one process."""
     ranks(4).run(pipe.pp_sharding, 2, "adam", False, False)
 
 
@@ -457,8 +432,7 @@ def test_pipeline_dp(ranks, overlap):
 
 
 def test_pipeline_paramless_first_stage(ranks):
-    """Check that a first stage without params builds no buffer and the grads still match
-    one process."""
+    """Check that a paramless first stage builds no buffer and grads match one process."""
     ranks(4).run(pipe.paramless_first_stage)
 
 
@@ -481,8 +455,7 @@ def test_pipeline_eval_and_errors(ranks):
 # ---------------------- virtual stages (relgrad_extras/interleave.py): relgrad_checks/interleave.py
 
 def test_interleave_schedule_and_errors(ranks):
-    """Check that the interleaved order (pp 2, 2 virtual stages, 4 and 8 micro-batches) is the
-    hand-written table, and a bad virtual-stage setup raises on every rank without a hang."""
+    """Check that the interleaved order is the hand table and bad setups raise everywhere."""
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="num_virtual_pipeline_stages must be an int >= 1"):
             PpConfig(num_virtual_pipeline_stages=bad)
@@ -491,29 +464,24 @@ def test_interleave_schedule_and_errors(ranks):
 
 
 def test_interleave_pp_only(ranks):
-    """Check that pp 2 x 2 virtual stages (also with delay_scale_loss) trains bitwise as plain
-    1F1B and as one process, release on == off."""
+    """Check that pp 2 x 2 virtual stages trains bitwise as plain 1F1B and as one process."""
     ranks(2).run(interleave.pp_only)
 
 
 def test_interleave_sharding_and_dp(ranks):
-    """Check that 2 virtual stages with sharding v1 / v2 (overlap on / off, main grad) and dp
-    overlap equal plain 1F1B and one process, per-chunk buffers firing after the chunk's
-    last backward, allocated once per step and freed after it."""
+    """Check that 2 virtual stages beside sharding and dp equal 1F1B, chunk buffers right."""
     ranks(4).run(interleave.with_sharding_and_dp)
 
 
 def test_interleave_tied_weights(ranks):
-    """Check that a weight tied between chunk 0 of stage 0 and the last chunk of stage 1
-    (sharding v1 / v2, overlap on / off, clipped) stays equal and equals one process."""
+    """Check that a weight tied across chunks of two stages trains as one process."""
     ranks(4).run(interleave.tied_weights)
 
 
 # ------------------------- clipping, tied weights (relgrad_extras/): relgrad_checks/clipping.py
 
 def test_clip_coefficient_and_fp32_sum():
-    """Check Paddle's coefficient (below the norm: clip/(clip+1e-6), not 1; above: torch's),
-    fp32 sums of bf16 squares, need_clip / None grads skipped, and bad clip_norm raising."""
+    """Check that the coefficient is Paddle's, bf16 squares sum in fp32, bad clip_norm raises."""
     """Check Paddle's coefficient (below the norm: clip/(clip+1e-6), not 1; above: torch's),
     fp32 sums of bf16 squares, need_clip / None grads skipped, and bad clip_norm raising."""
     g = torch.full((3,), 0.1)
@@ -548,26 +516,22 @@ def test_clip_coefficient_and_fp32_sum():
 
 
 def test_clip_global_norm(ranks):
-    """Check that over pp 2 x sharding 2 (v1, v2, overlap on / off) and pp 2 x dp 2 the norm
-    is the hand value on all ranks and the update torch's clip_grad_norm_ on one process."""
+    """Check that the clipped norm and update over pp x sharding and pp x dp are the hand values."""
     ranks(4).run(clipping.clip_global_norm)
 
 
 def test_tied_weights_across_stages(ranks):
-    """Check that a weight tied across stages, owned by different sharding ranks per stage (v1,
-    v2, overlap on / off; and pp x dp), is bitwise equal everywhere and equals one process."""
+    """Check that a tie owned by different ranks per stage stays equal and trains as one process."""
     ranks(4).run(clipping.tied_weights)
 
 
 def test_second_schedule_call_refused_on_stages_without_the_tie(ranks):
-    """Check that pp 3 with a first-last tie refuses a second schedule call on every stage,
-    the middle one (no copy) included, instead of leaving it in a receive."""
+    """Check that pp 3 with a first-last tie refuses a second schedule call on every stage."""
     ranks(3).run(clipping.second_call_refused_pp3, timeout=90)
 
 
 def test_accumulate_over_schedule_calls(ranks):
-    """Check that two schedule calls per step give a = 0.6, 0.36, 0.216 (by hand) without
-    overlap, and with sharding comm overlap raise on every rank without hanging."""
+    """Check that two schedule calls per step give the hand values, or raise with overlap."""
     ranks(4).run(clipping.accumulate_calls)
 
 
@@ -617,10 +581,8 @@ def _run_json(cmd):
 # ---- the runs in processes of their own, started with the session
 
 class _Runs:
-    """Commands run from the repo root in processes of their own, one after another, by a
-    thread started with them. `specs`: [(name, command, timeout, merged: stderr into stdout)];
-    `folder`: where they write. A run past its timeout is ended with all it started, and
-    fails the test that reads it."""
+    """Commands run one after another from the repo root by a thread; `specs`: [(name, command,
+    timeout, merged: stderr into stdout)]; a run past its timeout is ended, with all it started."""
 
     def __init__(self, specs, folder):
         self._specs, self._results, self._proc, self._stopped = specs, {}, None, False
@@ -703,10 +665,8 @@ def _run_specs(out):
 
 @pytest.fixture(scope="session", autouse=True)
 def started_runs(request, tmp_path_factory):
-    """The `_Runs` the selected tests read (through the fixture of the run's name), started
-    with the session: each spends seconds importing torch, which goes on beside the tests
-    before the one that reads it, which waits only for what is left. The recipes' launcher
-    (relgrad_checks/recipes.py) starts here too, for its torch import."""
+    """The `_Runs` the selected tests read (by the fixture of the run's name), and the recipes'
+    launcher, started with the session: their torch imports run beside the first tests."""
     items = request.session.items
     wanted = {name for item in items for name in item.fixturenames}
     if any(item.name.startswith("test_recipe_") for item in items):
@@ -754,17 +714,14 @@ def _check_schema(result, world, steps, plot=False):
 
 @pytest.fixture(scope="session")
 def main_job(started_runs):
-    """The main job run once in its default layout (pp 2 x sharding 2) on a smaller LM, 6 steps
-    (an idle median over steps 2-6, an eval pass after step 5): (the --json result, the
-    --trace file, the --plot file). If it fails, each test reading it fails with its stderr."""
+    """The main job (pp 2 x sharding 2, a smaller LM, 6 steps, an eval after step 5): (--json
+    result, --trace file, --plot file); a failed run fails each test reading it."""
     return (started_runs.json("main_job"),
             *(started_runs.folder / name for name in _MAIN_JOB_FILES))
 
 
 def test_main_job_json(main_job):
-    """Check the demo end to end: the --json schema, off and on bitwise equal, 0 idle grad bytes
-    with release on and the buffer with it off (the allocator agreeing with our count), the
-    buffer gone between steps only, the effective config, and the --trace file."""
+    """Check that the main job's --json, config, bytes and --trace show release freeing G."""
     result, trace, _ = main_job
     _check_schema(result, 4, 6, plot=True)
     off, on = result["modes"]["off"], result["modes"]["on"]
@@ -829,10 +786,7 @@ def _check_trace(trace, world, micro_batches):
 
 
 def test_main_job_plot(main_job):
-    """Check that --plot writes a picture that decodes, a panel per stage whose lines are the
-    run's own samples (its step_trace) with the phase marks lined up for off and on, and whose
-    band shows the buffer flat with release off and 0 -> buffer -> 0 with it on, held from the
-    first backward to the release only."""
+    """Check that --plot's panels are the run's samples and show the buffer's life per run."""
     from matplotlib.image import imread
     from relgrad_demo.plot import BOUNDARIES, phase_x
     result, _, png = main_job
@@ -877,9 +831,7 @@ def torchrun_job(started_runs):
 
 
 def test_torchrun_json(torchrun_job):
-    """Check that `relgrad.py` joins a torchrun job and reports the effective config (pp 2
-    alone: no overlap, no fused buffers); release on and off train alike, off holding an fp32
-    grad per param."""
+    """Check that relgrad.py joins a torchrun job, reports its config, and trains off == on."""
     result = torchrun_job
     _check_schema(result, 2, 3)
     off, on = result["modes"]["off"], result["modes"]["on"]
@@ -909,8 +861,7 @@ def test_torchrun_json(torchrun_job):
 
 
 def test_cli_help_and_effective_strategy(capsys):
-    """Check that --help gives every default, and the strategy run has overlap only where the
-    layout allows it (--pp 1: none), whatever --overlap says."""
+    """Check that --help gives every default and overlap runs only where the layout allows."""
     from sharding import _comm_buffer_bytes
     from relgrad_demo.job import make_strategy
     with pytest.raises(SystemExit):
@@ -950,9 +901,7 @@ def test_cli_help_and_effective_strategy(capsys):
 
 
 def test_peers_agree(ranks):
-    """Check --peers on a tiny LM: DDP + ZeRO bitwise equal to v2, FSDP2 within 1e-6, v2's
-    release returning its buffer's bytes, v2 with release holding them less between steps;
-    and the --peers --json schema."""
+    """Check that --peers' DDP + ZeRO and FSDP2 agree with v2 and v2's release frees its buffer."""
     from relgrad_demo import peers
     results = ranks(2).run(demo_peers.peers_agree)
     summary = peers.summarize(results, demo_peers.OPTS)

@@ -35,8 +35,7 @@ def _model(bf16=False):
 
 
 def _sharded(version, topology, bf16=False):
-    """A model and its v1 / v2 optimizer on this rank (topology: (hcg, strategy)); (replicas,
-    this replica's index)."""
+    """A model, its v1 / v2 optimizer on `topology` (hcg, strategy), (replicas, replica)."""
     hcg, strategy = topology
     model = _model(bf16)
     opt = _shard(version, OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
@@ -70,8 +69,7 @@ def _same_dict(a, b):
 
 
 def _resume(version, topology, saved):
-    """Fresh model and optimizer load `saved` (2 steps: its lr, Adam's step count, no grads
-    allocated), then train steps 2 and 3: the params."""
+    """A fresh pair loads `saved` (lr, step 2, no grads) and trains steps 2, 3: the params."""
     model, opt, part = _sharded(version, topology)
     model.load_state_dict(saved["model"])
     opt.param_groups[0]["lr"] = 0.5  # the saved hyper-parameters win, as in torch
@@ -99,8 +97,7 @@ def _save_on_rank0(obj, path):
 
 
 def _bf16_reference(steps):
-    """bf16 with main grads: one process summing the 2 replicas as the ranks do, after `steps`
-    steps (its masters all moved): its MixPrecisionOptimizer."""
+    """bf16 + main grads: one process summing as 2 ranks do: its MixPrecisionOptimizer."""
     def batches(step):
         x, y = (t.to(torch.bfloat16).chunk(2) for t in _data(step, BATCH, 20, 4))
         return [[(x[r], y[r])] for r in range(2)]
@@ -114,8 +111,7 @@ def _bf16_reference(steps):
 
 
 def _check_consolidated(full, oracle_opt, bf16):
-    """The consolidated dict is torch's format with the oracle's state: fp32 close, bf16 bitwise
-    (masters too, against `_bf16_reference`)."""
+    """The consolidated dict: torch's format, the oracle's state (fp32 close, bf16 bitwise)."""
     want = oracle_opt.state_dict()
     want = want["inner"] if bf16 else want  # MixPrecision: the inner torch optimizer's
     assert sorted(full["state"]) == sorted(want["state"]) == [0, 1, 2, 3]
@@ -142,8 +138,7 @@ def _check_consolidated(full, oracle_opt, bf16):
 
 
 def save_on_two(rank, world, folder):
-    """2 ranks: consolidate and save after 2 steps; resume on the same layout (bitwise), on
-    sharding 1 and in torch's Adam (close); wrong per-rank states raise; 1 -> 2 resumes."""
+    """2 ranks: save after 2 steps, resume on 2 (bitwise), 1, torch's Adam (close); misuse."""
     oracle = _one_process(4)[2]
     two, one_beside_dp = _sharding_groups(2, release=True), _sharding_groups(1, 2, True)
     for version in (1, 2):
@@ -173,12 +168,10 @@ def save_on_two(rank, world, folder):
                 _assert_bitwise(_steps(model2, opt2, range(2, 4), part), want)
             if not bf16:
                 _check_other_layouts(rank, world, version, two, one_beside_dp, saved, own, oracle)
-    return "ok"
 
 
 def _check_other_layouts(rank, world, version, two, one_beside_dp, saved, own, oracle):
-    """Another rank's per-rank state or None raise on every rank; the consolidated state resumes
-    on sharding 1 beside dp 2 and in torch's Adam, torch's Adam state on 2 ranks (close)."""
+    """Wrong per-rank states raise; sharding 1, torch's Adam, 1 -> 2 resume (close)."""
     others = [None] * world
     dist.all_gather_object(others, own)
     _, opt3, _ = _sharded(version, two)
@@ -199,8 +192,7 @@ def _check_other_layouts(rank, world, version, two, one_beside_dp, saved, own, o
 
 
 def load_on_three(rank, world, folder):
-    """3 ranks: the 2-rank checkpoints resume (close) and re-consolidate bitwise; a 2-rank
-    per-rank state raises; 2 steps on 3 ranks are saved for `load_from_three`."""
+    """3 ranks: 2-rank checkpoints resume and re-consolidate bitwise; save for 3 -> 2."""
     oracle, three = _one_process(4)[2], _sharding_groups(3, release=True)
     for version in (1, 2):
         saved = torch.load(os.path.join(folder, f"two_v{version}.pt"))
@@ -220,7 +212,6 @@ def load_on_three(rank, world, folder):
         saved = {"model": copy.deepcopy(model.state_dict()),
                  "optim": opt.consolidate_state_dict(to=0)}
         _save_on_rank0(saved, os.path.join(folder, f"three_v{version}.pt"))
-    return "ok"
 
 
 def load_from_three(rank, world, folder):
@@ -229,13 +220,10 @@ def load_from_three(rank, world, folder):
     for version in (1, 2):
         saved = torch.load(os.path.join(folder, f"three_v{version}.pt"))
         _assert_close_each(_resume(version, two, saved), oracle)
-    return "ok"
 
 
 def pipeline_resume(rank, world):
-    """pp 2 x sharding 2, overlap: a stage's state consolidated after 2 batches loads into a
-    fresh pipeline (v2 cuts it once its buffers exist), is at step 3 after one batch, and
-    trains as the uninterrupted run (bitwise) and one process (close)."""
+    """pp 2 x sharding 2: a stage's consolidated state resumes as if without a break."""
     _, oracle = _pipe_oracle("adam", 4, 8)
     for version in (1, 2):
         strategy = _strategy(pp=2, sharding=2, acc=2, release=True, split_param=version == 2,
@@ -277,12 +265,10 @@ def pipeline_resume(rank, world):
         got = train(model, opt, range(3, 4))
         _assert_bitwise(got, want)
         _assert_close_each(got, oracle[-1][_stage_slice(model, hcg)])
-    return "ok"
 
 
 def beside_dp(rank, world):
-    """dp 2 x sharding 2: the consolidated state resumes on the same layout (bitwise) and on
-    sharding 4 (close); another rank's per-rank state on one replica raises on all 4."""
+    """dp 2 x sharding 2: resume on 2 x 2 (bitwise), on sharding 4 (close); misuse raises."""
     dp_two, four = _sharding_groups(2, 2, True), _sharding_groups(4, release=True)
     oracle = _one_process(4)[2]
     for version in (1, 2):
@@ -302,4 +288,3 @@ def beside_dp(rank, world):
         with pytest.raises(ValueError, match=r"seen on 1 rank\(s\): global rank 2: .*"
                            r"sharding_rank: saved 1, here 0"):
             opt2.load_state_dict(others[3] if rank == 2 else own)
-    return "ok"

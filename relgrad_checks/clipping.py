@@ -36,8 +36,7 @@ def _variants(versions=(1, 2)):
 
 
 def _pp2(version, overlap, release, layers, loss, clip, **pipe_kwargs):
-    """pp 2 x sharding 2 with sharding v`version`, or (version None) pp 2 x dp 2, acc 2:
-    (strategy, hcg, the pipeline of `layers`, a ClipGradByGlobalNorm(clip))."""
+    """(strategy, hcg, pipeline, clip) of pp 2 x sharding 2 (`version`) or pp 2 x dp 2."""
     if version:
         strategy = _strategy(pp=2, sharding=2, acc=2, release=release,
                              sharding_comm_overlap=overlap, split_param=version == 2)
@@ -64,8 +63,7 @@ def _assert_release_keeps_bits(runs):
 
 
 def _clipped_oracle(model, steps, clip, data_of, opt=None, loss=_mse):
-    """One process on the whole batch (`data_of(step)`), torch's clip_grad_norm_ before each
-    step of `opt` (default SGD of OPTIMIZERS): (norms, params per step)."""
+    """One process, torch's clip_grad_norm_ before each step: (norms, params)."""
     opt = OPTIMIZERS["sgd"](model.parameters()) if opt is None else opt
     norms, traj = [], []
     for step in range(steps):
@@ -81,8 +79,7 @@ def _clipped_oracle(model, steps, clip, data_of, opt=None, loss=_mse):
 # ---------------------------------------------------------------- clipping
 
 def _hand_clip(steps, clip, lr, frozen=False, a=3.0, b=4.0):
-    """Norms and (a, b) per step of `z = b * a * x`, loss mean(z), batch mean 3(s+1), SGD with
-    Paddle's coefficient (`frozen`: a not trained), in Python floats."""
+    """Norms and (a, b) per step of `z = b * a * x`, Paddle's coefficient, in floats."""
     norms, params = [], []
     for step in range(steps):
         x_mean = 3.0 * (step + 1)
@@ -108,9 +105,7 @@ def _scale_layers(frozen):
 
 
 def clip_global_norm(rank, world, steps=3, clip=1.0, lr=0.1):
-    """pp 2 x sharding 2 (v1, v2) and pp 2 x dp 2 (train_batch's grad_clip; once stage 0 frozen),
-    overlap and release on / off: the norm is the hand value everywhere, the update torch's
-    clip_grad_norm_'s; release on == off. Sharding rank 1 owns nothing."""
+    """pp 2 x (sharding 2 | dp 2), overlap, release: the norm and update as by hand."""
     hands, oracles = {}, {}
     for frozen in (False, True):
         hands[frozen] = _hand_clip(steps, clip, lr, frozen)
@@ -126,12 +121,10 @@ def clip_global_norm(rank, world, steps=3, clip=1.0, lr=0.1):
         frozen = config[0] == "frozen"
         runs[config] = _clipped_run(config, hands[frozen], oracles[frozen], steps, clip, lr)
     _assert_release_keeps_bits(runs)
-    return "ok"
 
 
 def _clipped_run(config, hand, oracle, steps, clip, lr):
-    """One `clip_global_norm` layout, checked each step against the hand values and torch's
-    (norms, params); its norms and params per step."""
+    """One `clip_global_norm` layout against the hand values and torch's."""
     kind, version, overlap, release = config
     (hand_norms, hand_params), (torch_norms, torch_params) = hand, oracle
     strategy, hcg, model, grad_clip = _pp2(version, overlap, release,
@@ -173,8 +166,7 @@ def _clipped_run(config, hand, oracle, steps, clip, lr):
 # ---------------------------------------------------------------- tied weights
 
 def _tied_layers():
-    """[T, tanh, A | B, tanh, T'] (8 x 8, no bias), T' tied to T. v1 owners: T -> rank 0, A -> 1
-    | B -> 0, T' -> 1; v2 (unit 128): T, A at 0, 128 | B, T' at 0, 128."""
+    """[T, tanh, A | B, tanh, T'], T' tied to T; v1 owners 0, 1 | 0, 1; v2 at 0, 128."""
     layers = []
     for seed in range(6):
         torch.manual_seed(seed)
@@ -183,8 +175,7 @@ def _tied_layers():
 
 
 def _tied_oracle(steps, clip, batch):
-    """One process using one weight twice (T' is T; torch counts it once), clipped: (norms,
-    per step {layer index: its weight} for layers 0, 2, 3, 5)."""
+    """One process using one weight twice, clipped: (norms, {0, 2, 3, 5: weight})."""
     layers = _tied_layers()
     layers[5] = layers[0]
     norms, traj = _clipped_oracle(nn.Sequential(*layers), steps, clip,
@@ -193,9 +184,7 @@ def _tied_oracle(steps, clip, batch):
 
 
 def tied_weights(rank, world, steps=3, clip=0.05):
-    """pp 2 x sharding 2 (v1, v2: tied copies owned by different ranks) and pp 2 x dp 2, overlap
-    and release on / off: the tie is equal everywhere and trains as one process using one
-    weight twice; release on == off; a second schedule call and misspelled ties raise."""
+    """pp 2 x (sharding 2 | dp 2): a tie owned by different ranks trains as one weight."""
     batch = 2 * 2 * 2  # replicas x micro-batches x samples
     oracle_norms, oracle = _tied_oracle(steps, clip, batch)
     assert len(oracle_norms) == steps and all(float(n) > clip for n in oracle_norms)  # active
@@ -229,12 +218,10 @@ def tied_weights(rank, world, steps=3, clip=0.05):
         runs[version, overlap, release] = traj
     _assert_release_keeps_bits(runs)
     _check_tie_misuse(model, hcg, strategy, (t.chunk(2)[replica] for t in _data(0, batch, 8, 8)))
-    return "ok"
 
 
 def _check_tie_misuse(model, hcg, strategy, data):
-    """A second schedule call before the step (the tied sum would run twice) and misspelled
-    ties raise on every rank."""
+    """A second schedule call before the step and misspelled ties raise everywhere."""
     x, y = data
     model.forward_backward_pipeline((x, y))
     with pytest.raises(ValueError, match="ran again before the optimizer step: with comm"):
@@ -251,9 +238,7 @@ def _check_tie_misuse(model, hcg, strategy, data):
 # ---------------------------------------------------------------- several schedule calls
 
 def accumulate_calls(rank, world, steps=3):
-    """pp 2 x sharding 2, v1, SGD lr 0.1, loss mean/2, a step = forward_backward_pipeline(x1)
-    then train_batch(x2), x = 1 | 5 and 3 | 7: a = b = 0.6, 0.36, 0.216 (by hand); with
-    overlap the second call raises on every rank before any communication."""
+    """Two schedule calls per step: a = b = 0.6, 0.36, 0.216; with overlap refused."""
     for overlap in (False, True):
         for release in (False, True):
             strategy = _strategy(pp=2, sharding=2, acc=1, release=release,
@@ -275,12 +260,10 @@ def accumulate_calls(rank, world, steps=3):
                 (w,) = model.parameters()
                 assert math.isclose(float(w), want, rel_tol=1e-6), (release, step, float(w))
     dist.barrier()  # every rank got here: none is blocked in a collective
-    return "ok"
 
 
 def second_call_refused_pp3(rank, world):
-    """pp 3, first-last tie: a second forward_backward_pipeline raises on every stage, the
-    middle one (no copy) too."""
+    """pp 3, first-last tie: a second schedule call raises on every stage."""
     strategy = _strategy(pp=3, acc=2, release=True)
     hcg = HybridCommunicateGroup(strategy)
     torch.manual_seed(0)
@@ -295,4 +278,3 @@ def second_call_refused_pp3(rank, world):
                                          "shared_weights"):
         model.forward_backward_pipeline(data)
     dist.barrier()
-    return "ok"

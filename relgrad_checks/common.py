@@ -121,8 +121,7 @@ def _replica(hcg, strategy):
 
 def _train(model, opt, steps, batch=8, part=(1, 0), set_to_none=True, sched=None, net=None,
            after_backward=None):
-    """Train `steps` (a count or the indices) on part (parts, index) of each `_data` batch, MSE
-    through `net` (default the model): the params after each step."""
+    """Train `steps` on part (parts, index) of each `_data` batch through `net`: params per step."""
     net = model if net is None else net
     dtype = next(model.parameters()).dtype
     traj = []
@@ -148,9 +147,7 @@ def _oracle(make_model, opt_name, steps, batch, sched=False):
 
 
 def _main_grad_oracle(make_model, opt_name, steps, batches):
-    """One process, bf16 with fp32 main grads and masters, summing as the ranks do (bitwise):
-    `batches(step)` gives per replica (at most 2: exact in any order) its micro-batches.
-    Returns (per step the replicas' losses, params per step, the MixPrecisionOptimizer)."""
+    """One process, bf16 + fp32 main grads and masters, summing as <= 2 replicas do (bitwise)."""
     model = make_model()
     params = list(model.parameters())
     assert params and all(p.dtype == torch.bfloat16 for p in params)
@@ -231,9 +228,7 @@ def _assert_moved(traj, start):
 
 
 def _assert_same_state(opt, oracle_opt, index=None):
-    """The sharded `opt`'s consolidated state (fp32 masters, inner state) bitwise equal to
-    MixPrecisionOptimizer `oracle_opt`'s at positions `index` (default all); bf16 params
-    alone would hide a master off by less than half a bf16 step. Collective."""
+    """`opt`'s consolidated masters and state bitwise `oracle_opt`'s (at `index`); collective."""
     full = opt.consolidate_state_dict(to=0)
     if full is None:
         return
@@ -250,8 +245,7 @@ def _assert_same_state(opt, oracle_opt, index=None):
 
 
 def _assert_bitwise(got, want, what=""):
-    """Bitwise equal item by item: lists of one non-zero length (zip stops at the shorter) of
-    tensors (torch.equal), plain values (==) or such lists."""
+    """Bitwise equal item by item (tensors, values, lists of them), lengths equal and non-zero."""
     got, want = list(got), list(want)
     assert len(got) == len(want) > 0, (what, len(got), len(want))
     for i, (g, w) in enumerate(zip(got, want)):
@@ -276,8 +270,7 @@ def _assert_close_each(got, want, rtol=1e-5, atol=1e-6):
 
 @contextlib.contextmanager
 def _spy_buffers(sizes=()):
-    """Record in the block torch.zeros calls of a size in `sizes` ("zeros": args) and each
-    `_copy_grad_to_buffer` ("copies": (buffer, first check-in?, weakref of what it allocated))."""
+    """Record in the block bucket-size torch.zeros (args) and copies (buffer, first?, allocated)."""
     record = {"zeros": [], "copies": []}
     zeros, copy_in = torch.zeros, FusedCommBuffer._copy_grad_to_buffer
 

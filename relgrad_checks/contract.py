@@ -50,8 +50,7 @@ def _value(p):
 
 
 def groups_after_load(rank, world):
-    """An LR set (or scheduled) after load_state_dict reaches the step; a scheduler on the
-    wrapped torch optimizer raises."""
+    """An LR set (or scheduled) after load_state_dict reaches the step; a template's raises."""
     hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):
         for release, st in _releases(strategy):
@@ -82,7 +81,6 @@ def groups_after_load(rank, world):
             with pytest.raises(ValueError, match="Build the scheduler on the wrapper"):
                 opt.step()
             assert _value(m.w) == 1.0
-    return "ok"
 
 
 def masters_reload(rank, world):
@@ -108,12 +106,10 @@ def masters_reload(rank, world):
                 opt.step()
                 opt.zero_grad(set_to_none=release)
             assert _value(m.w) == 0.99609375, (kind, _value(m.w))
-    return "ok"
 
 
 def add_param_group(rank, world):
-    """v1 shards an added group (b = -1.0 on both ranks); MixPrecision gives it a master;
-    v2 raises naming the alternative."""
+    """v1 shards an added group (b = -1.0); MixPrecision gives it a master; v2 raises."""
     hcg, strategy = _sharding_groups(world)
     for release, st in _releases(strategy):
         m = _Params(a=1.0, b=1.0)
@@ -139,12 +135,10 @@ def add_param_group(rank, world):
     (m.a + m.b).sum().backward()
     opt.step()
     assert (_value(m.a), _value(m.b)) == (0.0, 0.5)
-    return "ok"
 
 
 def hooks(rank, world):
-    """torch's step and state_dict hooks run on the wrappers, in order; the load pre-hook's
-    state (lr 0.5) is what loads (w: 1 -> 0 at lr 1, then -0.5)."""
+    """torch's hooks run in order; the load pre-hook's lr 0.5 state loads (w: 1, 0, -0.5)."""
     hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):
         m, opt = _scalar(kind, hcg, strategy)
@@ -176,12 +170,10 @@ def hooks(rank, world):
         m.w.sum().backward()
         opt.step()
         assert _value(m.w) == -0.5, (kind, _value(m.w))
-    return "ok"
 
 
 def grad_on_some_ranks(rank, world, dp=1):
-    """A param left out of one rank's loss is stepped on the mean (zeros for the missing grads),
-    v1 and v2, release off and on."""
+    """A param left out of one rank's loss is stepped on the mean, v1 and v2."""
     hcg, strategy = _sharding_groups(world // dp, dp)
     # 2 ranks: a = 1 - (1 + 3) / 2, b = 1 - (1 + 0) / 2; 4 ranks: a = 1 - (1 + 3 + 5 + 7) / 4,
     # b = 1 - (1 + 3 + 5 + 0) / 4
@@ -197,7 +189,6 @@ def grad_on_some_ranks(rank, world, dp=1):
             opt.zero_grad(set_to_none=release)
             assert (_value(m.a), _value(m.b)) == want, (_value(m.a), _value(m.b))
             assert _value(m.c) == 1.0
-    return "ok"
 
 
 def pipeline_dp_grad_on_some_ranks(rank, world):
@@ -214,7 +205,6 @@ def pipeline_dp_grad_on_some_ranks(rank, world):
     model.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     model._optimizer_step()
     assert _value(w) == 0.0, _value(w)  # 1 - (2 + 0) / 2
-    return "ok"
 
 
 def _built(kind, st, hcg, opt_name="sgd", dtype=torch.float32):
@@ -236,7 +226,6 @@ def v2_model_moved(rank, world):
         F.mse_loss(model(_data(0, 8, 6, 4)[0].double()), torch.zeros(8, 4).double()).backward()
         with pytest.raises(ValueError, match="dtype or device"):
             opt.step()
-    return "ok"
 
 
 def unfrozen_param(rank, world):
@@ -255,12 +244,10 @@ def unfrozen_param(rank, world):
             F.mse_loss(model(_data(0, 8, 6, 4)[0]), torch.zeros(8, 4)).backward()
             with pytest.raises(ValueError, match="frozen when the fused buffers were built"):
                 opt.step()
-    return "ok"
 
 
 def main_grad_some_layers(rank, world):
-    """bf16, main-grad hooks on some layers: v2 raises at build, or at step() for hooks added
-    after it."""
+    """bf16, main-grad hooks on some layers: v2 raises at build, or at step()."""
     hcg, strategy = _sharding_groups(world)
     for _, st in _releases(strategy):
         model = _mlp([6, 16, 4]).to(torch.bfloat16)
@@ -272,12 +259,10 @@ def main_grad_some_layers(rank, world):
         model(torch.ones(2, 6, dtype=torch.bfloat16)).float().sum().backward()
         with pytest.raises(ValueError, match="main_grad does not match its bucket"):
             opt.step()
-    return "ok"
 
 
 def zero_grad_before_step(rank, world):
-    """zero_grad() between backward and step(), or params replaced by assign=True, raise alike
-    in v1 and v2."""
+    """zero_grad() before step(), or assign=True params, raise in v1 and v2."""
     hcg, strategy = _sharding_groups(world)
     for release, st in _releases(strategy):
         for kind in (V1, V2):
@@ -291,12 +276,10 @@ def zero_grad_before_step(rank, world):
             F.mse_loss(model(torch.ones(2, 6)), torch.zeros(2, 4)).backward()
             with pytest.raises(ValueError, match="assign=True"):
                 opt.step()
-    return "ok"
 
 
 def no_grad_not_stepped(rank, world):
-    """AdamW with a layer no rank uses: v1 and v2 leave it untouched, release on == off, the
-    rest like one process."""
+    """AdamW, a layer no rank uses: left untouched, on == off, the rest like one process."""
     hcg, strategy = _sharding_groups(world)
 
     def make():
@@ -317,7 +300,6 @@ def no_grad_not_stepped(rank, world):
         _assert_bitwise(trajs[False], trajs[True])
         model = make()
         _assert_close_each(trajs[True], _train(model, adamw(model), 3, 8, net=model[0]))
-    return "ok"
 
 
 def grad_scaler(rank, world):
@@ -331,12 +313,10 @@ def grad_scaler(rank, world):
             scaler.step(opt)
         assert _value(m.w) == 1.0
         assert _same_on_all([m.w])
-    return "ok"
 
 
 def stateful_template(rank, world):
-    """A torch optimizer with state is refused on every rank (even if one rank has it);
-    MixPrecisionOptimizer loads a torch state_dict; v2 refuses shape-dependent optimizers."""
+    """A torch optimizer with state is refused everywhere; MixPrecision loads its state."""
     hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):
         model = _Params(a=1.0, b=2.0)
@@ -364,12 +344,10 @@ def stateful_template(rank, world):
     assert (_value(model.a), _value(model.b)) == (_value(ref.a), _value(ref.b))
     assert mix.state_dict()["inner"]["state"][0]["step"].item() == 2
     _check_element_wise(hcg, strategy)
-    return "ok"
 
 
 def _check_element_wise(hcg, strategy):
-    """v2 refuses Adafactor and a subclass with its own step; Adagrad (state built at
-    construction) trains under v1 as one process does."""
+    """v2 refuses Adafactor and an own-step subclass; Adagrad trains under v1."""
     with pytest.raises(ValueError, match="needs an element-wise optimizer.*got Adafactor"):
         _shard(V2, torch.optim.Adafactor(_Params(a=1.0).parameters()), hcg, strategy)
 

@@ -21,8 +21,7 @@ SLACK = 1024
 
 
 def _measured_release(released):
-    """A `_clear_grad_storage` recording per call (the buffer's bytes, the bytes the release
-    freed, those the storage alone freed: held across the release, then let go on its own)."""
+    """A `_clear_grad_storage` recording (buffer bytes, bytes freed, by its storage)."""
     original = FusedCommBuffer._clear_grad_storage
     cpu = torch.device("cpu")
 
@@ -46,9 +45,7 @@ def _measured_release(released):
 
 
 def peers_agree(rank, world):
-    """DDP + ZeRO ends bitwise equal to v2, FSDP2 within 1e-6; each release of v2's buffer
-    returns its bytes, those "v2 release off" keeps. Returns peers_job's result plus
-    "released": [(buffer bytes, bytes freed, bytes the storage freed)] per release."""
+    """DDP + ZeRO bitwise v2, FSDP2 within 1e-6, each release returning the buffer's bytes."""
     released = []
     original, release = _measured_release(released)
     FusedCommBuffer._clear_grad_storage = release

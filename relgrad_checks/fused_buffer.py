@@ -132,8 +132,7 @@ def _expected_and_got(buf, params, local, act, rank, world):
 
 
 def _check_lifetime(rank, world):
-    """Release: absent before each step's first check-in, one allocation per step, freed at
-    release. Off: one buffer at one address that every grad shares."""
+    """Release: one allocation per step at its first check-in, freed at release; off: one place."""
     for act in ACTIONS:
         params = _new_params([(33,), (5, 5)])
         buf = _hooked(params, 2, act, 0 if act == REDUCE else -1, release_grads=True)
@@ -231,8 +230,7 @@ def _check_misuse(rank, world):
 
 
 def _check_skipped_parts(rank):
-    """Release, by hand: a skipped part of a step raises at the next check-in, as does a stale
-    main_grad; fuse_param moves params into one flat buffer."""
+    """Release by hand: a skipped part of a step or a stale main_grad raises; fuse_param."""
     params = _new_params([(4,), (3,)])
     buf = _hooked(params, 2, release_grads=True)
     for _ in range(2):
@@ -309,8 +307,7 @@ def _check_sign_of_zero(rank, world):
 
 
 def _check_main_grad_before_hooks(rank, world):
-    """bf16 with main grads, the buffer built before `register_main_grad_hooks`: release on
-    trains bitwise as off."""
+    """A buffer built before `register_main_grad_hooks` trains as release off."""
     for act in (ALL_REDUCE, REDUCE_SCATTER):
         finals = {}
         for release in (False, True):

@@ -61,8 +61,7 @@ def _interleaved(strategy, hcg, layers=None, vpp=2, bounds=None):
 
 
 def schedule_and_errors(rank, world):
-    """pp 2, 2 virtual stages: the order of 4 and 8 micro-batches is the table, chunks hold
-    layers s, s+P, eval equals one process; misuse raises on every rank before communicating."""
+    """pp 2, 2 virtual stages: the order is the table, chunks and eval right; misuse."""
     torch.manual_seed(0)
     for acc in (4, 8):
         strategy = _strategy(pp=2, acc=acc)
@@ -95,7 +94,6 @@ def schedule_and_errors(rank, world):
         PipelineParallel(_pipe_layers(), hcg, _strategy(pp=2, acc=4,
                                                         num_virtual_pipeline_stages=2), _mse)
     dist.barrier()  # both ranks got here: nobody is left in a receive
-    return "ok"
 
 
 # ---- training: interleaved == plain 1F1B (bitwise) == one process; release on == off ----
@@ -118,8 +116,7 @@ def _whole_model(model, hcg):
 
 
 def _probe(seen, release, fires_at, overlap):
-    """train_batch, checking per chunk one allocation and one collective per bucket (after the
-    chunk's last backward, where Paddle fires it) and every buffer freed after the step."""
+    """train_batch checking per chunk one allocation and one collective per bucket."""
     def probe(model, opt, data):
         seen.model = model
         assert not release or all(b.grad_storage is None for b in _buffers(model))
@@ -208,8 +205,7 @@ def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad
 
 
 def pp_only(rank, world):
-    """pp 2, 2 virtual stages: 4 micro-batches (SGD, Adam, delay_scale_loss) and 2 (= pp),
-    release off and on; then clipping over the chunks against torch's on one process."""
+    """pp 2, 2 virtual stages, 4 and 2 micro-batches, release off / on; then clipped."""
     for acc, opt_name, delay in ((4, "sgd", False), (4, "adam", False), (4, "sgd", True),
                                  (2, "sgd", False)):
         strategy = _strategy(pp=2, acc=acc, delay_scale_loss=delay)
@@ -232,7 +228,6 @@ def pp_only(rank, world):
     (l1, t1), (l2, t2) = runs
     torch.testing.assert_close(l1, l2, rtol=1e-6, atol=0)
     _assert_close_each(t1, t2, rtol=1e-6, atol=1e-7)
-    return "ok"
 
 
 class _RecordingClip(ClipGradByGlobalNorm):
@@ -249,8 +244,7 @@ class _RecordingClip(ClipGradByGlobalNorm):
 
 
 def with_sharding_and_dp(rank, world):
-    """2 virtual stages: pp 2 x sharding 2 (v1, v2, overlap on / off, v2 with main grads), pp 2
-    x dp 2 with overlap, pp 4 (4 and 8 micro-batches)."""
+    """2 virtual stages beside sharding v1 / v2 (main grads), dp 2, and on pp 4."""
     for version, overlap, main_grad in ((1, True, False), (1, False, False), (2, True, False),
                                         (2, False, False), (2, True, True)):
         strategy = _strategy(pp=2, sharding=2, acc=4, sharding_comm_overlap=overlap,
@@ -267,12 +261,10 @@ def with_sharding_and_dp(rank, world):
         strategy = _strategy(pp=4, acc=acc)
         _check_case(HybridCommunicateGroup(strategy), strategy, None, "sgd",
                     bounds=[0, 1, 3, 5, 7, 7, 7, 7, 7])
-    return "ok"
 
 
 def tied_weights(rank, world, steps=3, clip=0.05):
-    """pp 2 x sharding 2, 2 virtual stages, release: a weight tied between chunk 0 and chunk 3
-    stays equal everywhere and trains (clipped) as one process using one weight twice."""
+    """pp 2 x sharding 2, 2 virtual stages: a tie of chunks 0 and 3 trains as one weight."""
     batch = 2 * 2 * 2  # replicas x micro-batches x samples
     oracle_norms, oracle = _tied_oracle(steps, clip, batch)
     for version, overlap in ((1, True), (2, True), (1, False)):
@@ -297,4 +289,3 @@ def tied_weights(rank, world, steps=3, clip=0.05):
             want = [oracle[step][i] for i in ((0, 3) if stage == 0 else (2, 5))]
             for got, w in zip(model.parameters(), want):
                 torch.testing.assert_close(got.detach(), w, rtol=1e-5, atol=1e-6)
-    return "ok"

@@ -49,8 +49,7 @@ def _pipe_oracle(opt_name, steps, batch, dtype=torch.float32):
 
 
 def _reference(hcg, base, opt_name, dtype, main_grad, steps, mbs):
-    """One process on the whole batch: (losses, params per step, optimizer or None); bf16 with
-    main grads: summing in the ranks' order, all params moved, this replica's losses."""
+    """One process: (losses, params per step, the MixPrecision optimizer or None)."""
     replicas, replica = _replica(hcg, base)
     if not main_grad:
         losses, traj = _pipe_oracle(opt_name, steps, replicas * base.accumulate_steps * mbs,
@@ -66,8 +65,7 @@ def _reference(hcg, base, opt_name, dtype, main_grad, steps, mbs):
 
 
 def _assert_like(reference, losses, traj, part=slice(None), what=""):
-    """Each step's loss and params against `_reference`'s: bitwise with main grads; fp32: the
-    loss's mean over every rank and the params close."""
+    """Each step's loss and params like `_reference`'s: bitwise with main grads, else close."""
     want_losses, oracle, oracle_opt = reference
     assert len(losses) == len(traj) == len(oracle), (len(losses), len(traj), len(oracle))
     for loss, got, want_loss, want in zip(losses, traj, want_losses, oracle):
@@ -104,8 +102,7 @@ def _own_buffers(opt):
 
 @contextlib.contextmanager
 def _spy_collectives():
-    """Within the block, record in `seen.calls` (tensor, the last schedule position of
-    `seen.model`) for each buffer collective; yields `seen` (a probe sets `seen.model`)."""
+    """Yield `seen`: `.calls` gets (tensor, `seen.model`'s position) per collective."""
     seen = types.SimpleNamespace(model=None, calls=[])
     originals = {name: getattr(dist, name)
                  for name in ("all_reduce", "reduce", "reduce_scatter_single")}
@@ -126,9 +123,7 @@ def _spy_collectives():
 
 
 def _release_probe(seen, release, overlap):
-    """train_batch, checking the buffers' life and when each collective fires (`release`,
-    `overlap`: what the strategy asked); without overlap v2's own buffers: allocated at step()
-    and freed (release), at one address (off)."""
+    """train_batch checking the buffers' life and firing (`release`, `overlap` as asked)."""
     addresses = []
 
     def probe(model, opt, data, step):
@@ -167,8 +162,7 @@ def _release_probe(seen, release, overlap):
 
 
 def _check_schedule(model, seen, record, buffers, own, release, overlap):
-    """After the schedule: one collective per bucket, in the last backward; release allocates at
-    the first copy; v2's own buffers untouched."""
+    """One collective per bucket in the last backward, first-copy allocation."""
     first_copy = [made is not None for _, _, made in record["copies"]]
     assert bool(buffers) == overlap, (len(buffers), overlap)
     assert not (buffers and own), "v2 has its own buffers only without pipeline overlap"
@@ -246,12 +240,10 @@ def pp_sharding(rank, world, version, opt_name="adam", main_grad=False, overlap=
     dtype = torch.bfloat16 if main_grad else torch.float32
     _check_pipeline(hcg, strategy, _V2 if version == 2 else _V1, opt_name=opt_name,
                     dtype=dtype, main_grad=main_grad)
-    return "ok"
 
 
 def sharding_flag_under_pp_overlap(rank, world):
-    """pp 2 x sharding 2, v2, pipeline overlap, sharding-side release flag only: the pipeline's
-    buffers persist at one address, dropping grads raises, training equals one process."""
+    """pp 2 x sharding 2, v2, sharding-side flag only: pipeline buffers persist."""
     strategy = _strategy(pp=2, sharding=2, acc=4, sharding_comm_overlap=True,
                          split_param=True)
     strategy.sharding_configs.release_gradients = True
@@ -271,7 +263,6 @@ def sharding_flag_under_pp_overlap(rank, world):
     _assert_close_each(traj, [want[_stage_slice(model, hcg)] for want in oracle])
     with pytest.raises(ValueError, match="should not erase grad buffer"):
         model.optimizer.zero_grad()  # set_to_none=True would detach grads from the buffers
-    return "ok"
 
 
 def pp_dp(rank, world, overlap):
@@ -282,7 +273,6 @@ def pp_dp(rank, world, overlap):
         _check_pipeline(hcg, strategy, None)
     else:
         _check_pipeline(hcg, strategy, None, opt_name="sgd", steps=2)
-    return "ok"
 
 
 def paramless_first_stage(rank, world):
@@ -301,19 +291,16 @@ def paramless_first_stage(rank, world):
     _mse(oracle(x), y).backward()
     for got, want in zip(model.parameters(), oracle[1].parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-7)
-    return "ok"
 
 
 def pp_only(rank, world, delay_scale_loss):
     """pp 2 (2 ranks), SGD, with or without delay_scale_loss."""
     strategy = _strategy(pp=2, acc=4, delay_scale_loss=delay_scale_loss)
     _check_pipeline(HybridCommunicateGroup(strategy), strategy, None, opt_name="sgd")
-    return "ok"
 
 
 def loss_scaled_once(rank, world):
-    """4 micro-batches of 1 sample and 1 micro-batch of 4 samples: each stage's grads equal one
-    process's on the whole batch of 4, so the loss is scaled by 1/acc once (not 0 or 2 times)."""
+    """4 micro-batches of 1 and 1 of 4 give one process's grads: the loss scaled once."""
     hcg = HybridCommunicateGroup(_strategy(pp=2, acc=4))
     x, y = _data(0, 4, PIPE_SIZES[0], PIPE_SIZES[-1])
     oracle = nn.Sequential(*_pipe_layers())
@@ -324,7 +311,6 @@ def loss_scaled_once(rank, world):
         model.forward_backward_pipeline((x, y))
         got = [p.grad for p in model.parameters()]
         _assert_close_each(got, want[_stage_slice(model, hcg)], rtol=1e-5, atol=1e-7)
-    return "ok"
 
 
 def eval_and_errors(rank, world):
@@ -344,7 +330,6 @@ def eval_and_errors(rank, world):
                           "cannot both be on")):
         with pytest.raises(ValueError, match=match):
             PipelineParallel(_pipe_layers(), hcg, _strategy(pp=2, acc=4, **flags), _mse)
-    return "ok"
 
 
 def _failing_loss(out, y):
@@ -363,8 +348,7 @@ def _failing_worker(rank, world):
 
 
 def _hanging_worker(rank, world, hold=60.0):
-    """Rank 0 polls for a message rank 1 never sends while rank 1 lives `hold` seconds: only the
-    launcher's timeout ends it (not the peer's exit, nor gloo's own timeout)."""
+    """Rank 0 polls for a message never sent while rank 1 lives: only a timeout ends it."""
     if rank == 0:
         work = dist.irecv(torch.zeros(1), src=1)  # rank 1 never sends
         deadline = time.monotonic() + hold

@@ -67,9 +67,7 @@ def _read_part(buf, rank):
 
 
 def _watch(buf, record, free, timing=None, buffers=()):
-    """Wrap `buf._complete_comm`: record the read part right after the collective; with free,
-    check the rest is dead and the part a storage of its own. `timing`: note whether it ran
-    in backward while a bucket of `buffers` still filled."""
+    """Wrap `_complete_comm`: record the read part, check the rest freed (free) and when."""
     original = buf._complete_comm
 
     def complete_comm():
@@ -128,8 +126,7 @@ def _counting_muls(fn):
 
 
 def _assert_same_runs(parts, trajs, buckets=True):
-    """Same read parts per (bucket, completion) and same params; `parts[free]` lists
-    ((bucket watch index, n-th completion), part) pairs."""
+    """Same read parts per (bucket, n-th completion), and same params, as release off."""
     assert len(parts[False]) == len(parts[True]) and (len(parts[True]) > 0) == buckets
     # both runs watched their buckets in the same order: shift the indices to start at 0
     keyed = {}
@@ -148,8 +145,7 @@ def _assert_same_runs(parts, trajs, buckets=True):
 # ---------------------------------------------------------------- sharding's own overlap
 
 def _train_own(hcg, version, strategy, watch=None, free=False, record=None):
-    """3 steps on this rank's slice of a batch of 24 in `acc` micro-batches: the params per step;
-    `record` gathers `_spy_buffers` of each step(); free, v1 without overlap: owners keep grads."""
+    """3 steps of `acc` micro-batches on this rank's slice of 24 rows: the params per step."""
     group_rank, nranks = dist.get_rank(), dist.get_world_size()
     acc = strategy.sharding_configs.accumulate_steps
     overlap = strategy.sharding_configs.comm_overlap
@@ -179,8 +175,7 @@ def _train_own(hcg, version, strategy, watch=None, free=False, record=None):
 
 
 def own_overlap(rank, world):
-    """Own overlap, v1 and v2, acc 1 and 4: one process, release on == off, one allocation per
-    bucket per step (none and no copy at step()), misuse raising on every rank."""
+    """Own overlap, v1 and v2, acc 1 and 4: one process, on == off, one allocation, misuse."""
     hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
     for version in (1, 2):
         for acc in (1, 4):
@@ -197,12 +192,10 @@ def own_overlap(rank, world):
         _check_one_allocation_per_bucket(hcg, version, world)
         _check_own_overlap_misuse(hcg, version, world)
     _check_config_errors(hcg, world)
-    return "ok"
 
 
 def _check_one_allocation_per_bucket(hcg, version, world):
-    """Release, acc 2: each bucket allocates once per step, at its first check-in; step() neither
-    allocates nor copies."""
+    """Release, acc 2: one allocation per bucket and step, none at step()."""
     model = _mlp([6, 16, 4])
     opt = _shard(_CLASSES[version], OPTIMIZERS["sgd"](model.parameters()), hcg,
                  _own_strategy(world, 2, True))
@@ -225,8 +218,7 @@ def _check_one_allocation_per_bucket(hcg, version, world):
 
 
 def _check_own_overlap_misuse(hcg, version, world):
-    """An unused param, too few and too many backward passes raise on every rank; nothing is
-    left in flight."""
+    """An unused param, too few or too many backward passes raise everywhere."""
     for release in (False, True):
         st = _own_strategy(world, 2, release)
         model = nn.ModuleList([_mlp([6, 16, 4]), nn.Linear(3, 3)])  # [1] is never called
@@ -284,8 +276,7 @@ def _check_config_errors(hcg, world):
 # ---------------------------------------------------------------- free_grads_in_comm
 
 def free_in_comm(rank, world):
-    """Own overlap (acc 1, 4) and without it (acc 1, reduce at step()), v1 and v2: after each
-    collective the unread part is dead, the read part and the params as release off."""
+    """v1 and v2, own overlap (acc 1, 4) or none: free_grads_in_comm frees the unread part."""
     hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
     for version in (1, 2):
         for acc, overlap in ((1, True), (4, True), (1, False)):  # without: step() reduces
@@ -294,12 +285,10 @@ def free_in_comm(rank, world):
                 st = _own_strategy(world, acc, release=free, free=free, overlap=overlap)
                 trajs[free] = _train_own(hcg, version, st, watch=parts[free], free=free)
             _assert_same_runs(parts, trajs, buckets=overlap or version == 2)
-    return "ok"
 
 
 def free_in_comm_pipeline(rank, world):
-    """pp 2 x sharding 2 with the pipeline's overlap, v1 and v2, acc 1 and 4: `free_in_comm`'s
-    checks on the pipeline's buffers."""
+    """`free_in_comm`'s checks on the pipeline's buffers (pp 2 x sharding 2)."""
     hcg = None
     for version in (1, 2):
         for acc in (1, 4):
@@ -313,7 +302,6 @@ def free_in_comm_pipeline(rank, world):
                 hcg = hcg or HybridCommunicateGroup(st)
                 trajs[free] = _train_pipe(hcg, version, st, parts[free], free)
             _assert_same_runs(parts, trajs)
-    return "ok"
 
 
 def _train_pipe(hcg, version, strategy, record, free, mbs=2):
@@ -344,8 +332,7 @@ def _train_pipe(hcg, version, strategy, record, free, mbs=2):
 
 
 def free_during_backward(rank, world):
-    """Own overlap, v1 and v2, acc 1 and 4, 6 buckets: with free the collectives complete (the
-    unread part dead) during the last backward; read parts and params as release off."""
+    """6 buckets, v1, v2, acc 1, 4: free completes collectives in the last backward."""
     hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
     for version, cls in ((1, _SmallBucketsV1), (2, _OneParamBucketsV2)):
         for acc in (1, 4):
@@ -364,7 +351,6 @@ def free_during_backward(rank, world):
                 # (never waiting there; each layer's backward sleeps 5 ms to let gloo finish)
                 early = sum(timing)
                 assert (early >= 3) if free else early == 0, (version, acc, free, timing)
-    return "ok"
 
 
 def _train_watched(hcg, cls, strategy, record, timing, free):
@@ -392,8 +378,7 @@ def _train_watched(hcg, cls, strategy, record, timing, free):
 
 
 def end_of_backward_bytes(rank, world):
-    """v2, own overlap, release, 1 MB buckets: the bytes after backward exceed those before the
-    forward by at most G + one bucket + 256 KiB. Returns (G, bucket bytes, growth per step)."""
+    """v2, 1 MB buckets: growth after backward <= G + bucket + 256 KiB; (G, bucket, growth)."""
     from relgrad_demo.memory import allocator_in_use_bytes
     st = _own_strategy(world, 1, True)
     st.sharding_configs.split_param = True
