@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from comm_buffer import HOOK_ACTION, FusedCommBuffer
-from relgrad import register_main_grad_hooks
-from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig
+from relgrad import (DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig,
+                     register_main_grad_hooks)
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
 
 ACTIONS = (HOOK_ACTION.ALL_REDUCE, HOOK_ACTION.REDUCE, HOOK_ACTION.REDUCE_SCATTER)

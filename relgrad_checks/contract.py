@@ -10,9 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from relgrad import register_main_grad_hooks
 from pipeline import PipelineParallel
-from relgrad import HybridCommunicateGroup
+from relgrad import HybridCommunicateGroup, register_main_grad_hooks
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
 from relgrad_checks.common import (OPTIMIZERS, _assert_bitwise, _assert_close_each, _data, _mlp,
                                    _oracle, _params, _releases, _same_on_all, _shard,

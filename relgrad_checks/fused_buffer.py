@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from comm_buffer import HOOK_ACTION, FusedCommBuffer, bw_hook_func, main_grad_or_grad
+from comm_buffer import FusedCommBuffer, bw_hook_func, main_grad_or_grad
 from relgrad import register_main_grad_hooks
 from relgrad_checks.common import (ACTIONS, _assert_bitwise, _backward_int_grads, _new_params,
                                    _released, _slot, _spy_buffers)
@@ -70,31 +70,39 @@ def _end_step(buf, params, release):
         buf._clear_grad_storage()
 
 
+def _buckets(shapes, accs):
+    """(act, acc, release, params, buf) for each action, acc and release off / on: fresh
+    params of `shapes` in a hooked bucket."""
+    for act in ACTIONS:
+        for acc in accs:
+            for release in (False, True):
+                params = _new_params(shapes)
+                yield act, acc, release, params, _hooked(params, acc, act, release_grads=release)
+
+
 def _check_actions(rank, world):
     """Each action equals a per-param collective done by hand; release on == off, bitwise."""
     shapes = [(7, 5), (13,), (3, 4, 2), (70,)]
-    for act in ACTIONS:
-        for acc in (1, 4):
-            results = {}
-            for release in (False, True):
-                params = _new_params(shapes)
-                buf = _hooked(params, acc, act, release_grads=release)
-                results[release] = []
-                for step in range(3):
-                    local = [torch.zeros(s) for s in shapes]
-                    for k in range(acc):
-                        assert buf._task is None, "the collective fired before the last check-in"
-                        assert not (release and k == 0) or buf.grad_storage is None
-                        for acc_g, c in zip(local, _backward_int_grads(params, rank, step, k)):
-                            acc_g += c
-                    assert buf._task is not None, "the collective did not fire"
-                    buf.scale_grads()
-                    results[release].append(_expected_and_got(buf, params, local, act, rank,
-                                                              world))
-                    _end_step(buf, params, release)
-                    assert not release or all(p.grad is None for p in params)
-            for off, on in zip(results[False], results[True]):
-                assert torch.equal(off, on)
+    results = {}
+    for act, acc, release, params, buf in _buckets(shapes, (1, 4)):
+        results[act, acc, release] = []
+        for step in range(3):
+            local = [torch.zeros(s) for s in shapes]
+            for k in range(acc):
+                assert buf._task is None, "the collective fired before the last check-in"
+                assert not (release and k == 0) or buf.grad_storage is None
+                for acc_g, c in zip(local, _backward_int_grads(params, rank, step, k)):
+                    acc_g += c
+            assert buf._task is not None, "the collective did not fire"
+            buf.scale_grads()
+            got = _expected_and_got(buf, params, local, act, rank, world)
+            results[act, acc, release].append(got)
+            _end_step(buf, params, release)
+            assert not release or all(p.grad is None for p in params)
+    for (act, acc, release), on in results.items():
+        if release:
+            for off_step, on_step in zip(results[act, acc, False], on):
+                assert torch.equal(off_step, on_step)
 
 
 def _expected_and_got(buf, params, local, act, rank, world):
@@ -278,32 +286,32 @@ def _check_sign_of_zero(rank, world):
     (z,) = _new_params(shapes[1:])  # the -0.0 is real: a plain backward keeps it
     _signed_zero_grads([torch.zeros(5, requires_grad=True), z], 0)
     assert z.grad.numel() == 300 and torch.all(torch.signbit(z.grad)), z.grad
-    for act in ACTIONS:
+    bits = {}
+    for act, acc, release, params, buf in _buckets(shapes, (1, 2)):
         reads = act != REDUCE or rank == 1  # the reduce's owner (dst 1) alone reads the sum
-        for acc in (1, 2):
-            bits = {}
-            for release in (False, True):
-                params = _new_params(shapes)
-                buf = _hooked(params, acc, act, release_grads=release)
-                bits[release] = []
-                for step in range(2):
-                    for k in range(acc):
-                        _signed_zero_grads(params, k)
-                    buf.scale_grads()
-                    if act == REDUCE_SCATTER:  # this rank's piece of z
-                        read = [buf._sharding_param_grad_view[params[1]]._slice_grad]
-                    else:
-                        read = [params[1].grad] if reads else []
-                    assert len(read) == int(reads)
-                    assert all(g is not None and g.numel() > 0 for g in read)
-                    bits[release].append([g.view(torch.int32).clone() for g in read])
-                    _end_step(buf, params, release)
-            assert len(bits[False]) == len(bits[True]) == 2
-            for off, on in zip(bits[False], bits[True]):
-                assert len(off) == len(on)
-                for a, b in zip(off, on):
-                    assert torch.equal(a, b), (act, acc, a, b)
-                    assert torch.all(a == 0), "-0.0 + the zero buffer must give +0.0"
+        bits[act, acc, release] = []
+        for step in range(2):
+            for k in range(acc):
+                _signed_zero_grads(params, k)
+            buf.scale_grads()
+            if act == REDUCE_SCATTER:  # this rank's piece of z
+                read = [buf._sharding_param_grad_view[params[1]]._slice_grad]
+            else:
+                read = [params[1].grad] if reads else []
+            assert len(read) == int(reads)
+            assert all(g is not None and g.numel() > 0 for g in read)
+            bits[act, acc, release].append([g.view(torch.int32).clone() for g in read])
+            _end_step(buf, params, release)
+    for (act, acc, release), on in bits.items():
+        if not release:
+            continue
+        off = bits[act, acc, False]
+        assert len(off) == len(on) == 2
+        for off_step, on_step in zip(off, on):
+            assert len(off_step) == len(on_step)
+            for a, b in zip(off_step, on_step):
+                assert torch.equal(a, b), (act, acc, a, b)
+                assert torch.all(a == 0), "-0.0 + the zero buffer must give +0.0"
 
 
 def _check_main_grad_before_hooks(rank, world):
