@@ -1,7 +1,6 @@
 """Rank-side checks of the interleaved schedule (relgrad_extras/interleave.py): its order by hand,
 training equal to plain 1F1B and to one process, per-chunk buffers released, errors everywhere."""
 import copy
-import weakref
 
 import pytest
 import torch
@@ -12,12 +11,10 @@ from pipeline import PipelineParallel
 from relgrad_extras.interleave import PipelineParallelWithInterleave
 from relgrad import HybridCommunicateGroup
 from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_bitwise, _assert_close_each,
-                                   _assert_same_state, _data, _mse, _pipe_layers, _released,
-                                   _releases, _replica_batch, _same_on_all, _shard, _spy_buffers,
-                                   _strategy)
+                                   _assert_same_state, _data, _mse, _pipe_layers, _releases,
+                                   _replica_batch, _same_on_all, _shard, _strategy)
 from relgrad_checks.clipping import _clipped_oracle, _tied_layers, _tied_oracle
-from relgrad_checks.pipe import (_V1, _V2, _assert_like, _buffers, _own_buffers, _reference,
-                                 _spy_collectives)
+from relgrad_checks.pipe import _V1, _V2, _assert_like, _reference, _release_probe, _spy_collectives
 
 # ---- the interleaved order for pp 2 x 2 virtual stages, written out by hand ----
 # Read off the paper's Figure 4 rule (Narayanan et al. 2021): micro-batches go through chunk 0
@@ -115,46 +112,6 @@ def _whole_model(model, hcg):
     return [merged[k] for k in sorted(merged)]
 
 
-def _probe(seen, release, fires_at, overlap):
-    """train_batch checking per chunk one allocation and one collective per bucket."""
-    def probe(model, opt, data):
-        seen.model = model
-        assert not release or all(b.grad_storage is None for b in _buffers(model))
-        seen.calls.clear()
-        with _spy_buffers() as record:
-            model._prepare_training(opt, None)
-            loss = model._schedule(data)  # as train_batch: no entry agreement in the window
-        by_chunk = model._chunk_2_comm_buffers
-        assert bool(by_chunk) == bool(model._comm_overlap) == overlap, (len(by_chunk), overlap)
-        own = _own_buffers(opt)
-        assert not (own and overlap), "v2 builds its own buffers only without pipeline overlap"
-        if model._comm_overlap:
-            assert sorted(by_chunk) == [0, 1] and all(by_chunk.values()), "a bucket per chunk"
-            assert model.accumulate_steps == 4 and fires_at is not None  # FIRES_AT's case
-        for chunk, chunk_buffers in by_chunk.items():
-            last = model.schedule_trace.index(("B", model.accumulate_steps - 1, chunk))
-            for b in chunk_buffers:
-                when = [w for t, w in seen.calls if t is b.grad_storage]
-                assert when == [fires_at[chunk]], (chunk, when)
-                assert model.schedule_trace.index(when[0]) >= last
-        buffers = _buffers(model)
-        allocations = [buf for buf, _, made in record["copies"] if made is not None]
-        if release:  # exactly one allocation per bucket this step
-            assert sorted(map(id, allocations)) == sorted(map(id, buffers))
-        seen.calls.clear()  # it holds the buffers too
-        storages = [weakref.ref(b.grad_storage) for b in buffers]
-        model._optimizer_step()
-        params = list(model.parameters())
-        assert params
-        assert all((b.grad_storage is None) == release for b in buffers + own)
-        if release:
-            assert _released(*storages), "a released chunk buffer is still alive"
-            assert all(p.grad is None and getattr(p, "main_grad", None) is None
-                       for p in params)
-        return loss
-    return probe
-
-
 def _train(hcg, strategy, vpp, wrap, opt_name, dtype, main_grad, steps, mbs, probe=None,
            bounds=None, clip=None, keep=None):
     """Losses and whole-model params per step with `vpp` virtual stages; `keep` gets model, opt."""
@@ -193,7 +150,7 @@ def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad
         for release, strategy in _releases(base):
             keep = {}
             runs[release] = _train(hcg, strategy, 2, *args, bounds=bounds, keep=keep,
-                                   probe=_probe(seen, release, fires_at, overlap))
+                                   probe=_release_probe(seen, release, overlap, fires_at))
             if main_grad:  # this rank's fp32 masters and Adam's state too
                 _assert_same_state(keep["opt"], reference[2],
                                    [p.whole_model_index for p in keep["model"].parameters()])

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline import PipelineParallel
+from relgrad_extras.interleave import PipelineParallelWithInterleave
 from relgrad import HybridCommunicateGroup
 from sharding import DygraphShardingOptimizerV2
 from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_bitwise, _assert_close_each,
@@ -122,11 +123,12 @@ def _spy_collectives():
             setattr(dist, name, original)
 
 
-def _release_probe(seen, release, overlap):
-    """train_batch checking the buffers' life and firing (`release`, `overlap` as asked)."""
+def _release_probe(seen, release, overlap, fires_at=None):
+    """train_batch checking the buffers' life and firing (`release`, `overlap` as asked;
+    interleaved: `fires_at`, each chunk's collective's position in the schedule)."""
     addresses = []
 
-    def probe(model, opt, data, step):
+    def probe(model, opt, data, step=None):
         seen.model = model
         own = _own_buffers(opt)
         assert not release or all(b.grad_storage is None for b in _buffers(model) + own)
@@ -135,61 +137,83 @@ def _release_probe(seen, release, overlap):
             model._prepare_training(opt, None)
             loss = model._schedule(data)  # as train_batch: no entry agreement in the window
             buffers = _buffers(model)
-            _check_schedule(model, seen, record, buffers, own, release, overlap)
+            _check_schedule(model, seen, record, own, release, overlap, fires_at)
             seen.calls.clear()  # it holds the buffers too
             storages = [weakref.ref(b.grad_storage) for b in buffers]
             model._optimizer_step()
-        first_copy = [made is not None for _, _, made in record["copies"]]
-        allocated = [made for _, _, made in record["copies"] if made is not None]
-        if own:  # one reduce-scatter per own buffer, at step()
-            made = [a() for a in allocated] if release else [b.grad_storage for b in own]
-            assert len(made) == len(own), (len(made), len(own))
-            for storage in made:
-                assert storage is not None and sum(t is storage for t, _ in seen.calls) == 1
-            del made, storage  # no reference of ours may keep a released buffer alive
-        seen.calls.clear()
-        if own and release:  # step() allocated each once (copying the grads in), then freed
-            assert first_copy.count(True) == len(allocated) == len(own), (first_copy, len(own))
-            assert all(b.grad_storage is None for b in own)
-            assert _released(*allocated), "a released v2 buffer is still alive"
-        if own and not release:  # backward wrote into the buffers' views; nothing allocated
-            assert not allocated and all(b.grad_storage is not None for b in own)
-            addresses.append([b.grad_storage.data_ptr() for b in own])
-            assert addresses[0] == addresses[-1], "release off keeps one buffer per bucket"
+        _check_own_buffers(seen, record, own, release, addresses)
         _check_released(model, data, buffers, own, storages, release)
         return loss
     return probe
 
 
-def _check_schedule(model, seen, record, buffers, own, release, overlap):
-    """One collective per bucket in the last backward, first-copy allocation."""
+def _check_schedule(model, seen, record, own, release, overlap, fires_at):
+    """One collective per bucket, after its chunk's last backward (plain 1F1B: in the last
+    one; interleaved: at `fires_at[chunk]`), one allocation per bucket; own buffers idle."""
+    by_chunk, buffers = model._chunk_2_comm_buffers, _buffers(model)
+    interleaved = isinstance(model, PipelineParallelWithInterleave)
     first_copy = [made is not None for _, _, made in record["copies"]]
     assert bool(buffers) == overlap, (len(buffers), overlap)
+    assert bool(by_chunk) == bool(model._comm_overlap) == overlap, (len(by_chunk), overlap)
     assert not (buffers and own), "v2 has its own buffers only without pipeline overlap"
-    last = ("B", model.accumulate_steps - 1)
-    for b in buffers:
-        assert [when for t, when in seen.calls if t is b.grad_storage] == [last]
-    if release and buffers:
+    if interleaved and model._comm_overlap:
+        assert sorted(by_chunk) == [0, 1] and all(by_chunk.values()), "a bucket per chunk"
+        assert model.accumulate_steps == 4 and fires_at is not None  # FIRES_AT's case
+    for chunk, chunk_buffers in by_chunk.items():
+        last, want = ("B", model.accumulate_steps - 1), ("B", model.accumulate_steps - 1)
+        if interleaved:
+            last, want = ("B", model.accumulate_steps - 1, chunk), fires_at[chunk]
+        for b in chunk_buffers:
+            when = [w for t, w in seen.calls if t is b.grad_storage]
+            assert when == [want], (chunk, when)
+            assert model.schedule_trace.index(when[0]) >= model.schedule_trace.index(last)
+    if release and buffers:  # exactly one allocation per bucket this step, the first copy's
+        allocating = [buf for buf, _, made in record["copies"] if made is not None]
+        assert sorted(map(id, allocating)) == sorted(map(id, buffers))
         assert first_copy[0] is True and first_copy.count(True) == len(buffers)
     if own:  # v2's own buffers: no hooks without overlap, nothing copied in backward
         assert not first_copy and not seen.calls, (first_copy, len(seen.calls))
         assert all((b.grad_storage is None) == release for b in own)
 
 
+def _check_own_buffers(seen, record, own, release, addresses):
+    """v2's own buffers at step(): one reduce-scatter each; with release allocated once and
+    freed, without at one address across steps."""
+    first_copy = [made is not None for _, _, made in record["copies"]]
+    allocated = [made for _, _, made in record["copies"] if made is not None]
+    if own:  # one reduce-scatter per own buffer, at step()
+        made = [a() for a in allocated] if release else [b.grad_storage for b in own]
+        assert len(made) == len(own), (len(made), len(own))
+        for storage in made:
+            assert storage is not None and sum(t is storage for t, _ in seen.calls) == 1
+        del made, storage  # no reference of ours may keep a released buffer alive
+    seen.calls.clear()
+    if own and release:  # step() allocated each once (copying the grads in), then freed
+        assert first_copy.count(True) == len(allocated) == len(own), (first_copy, len(own))
+        assert all(b.grad_storage is None for b in own)
+        assert _released(*allocated), "a released v2 buffer is still alive"
+    if own and not release:  # backward wrote into the buffers' views; nothing allocated
+        assert not allocated and all(b.grad_storage is not None for b in own)
+        addresses.append([b.grad_storage.data_ptr() for b in own])
+        assert addresses[0] == addresses[-1], "release off keeps one buffer per bucket"
+
+
 def _check_released(model, data, buffers, own, storages, release):
-    """After the step: release leaves no buffer or grad (eval allocates none); off keeps grads."""
+    """After the step: release leaves no buffer or grad (plain 1F1B: eval allocates none
+    either); off keeps grads and buffers."""
     params = list(model.parameters())
     assert params
+    assert all((b.grad_storage is None) == release for b in buffers + own)
     if not release:  # zeroed in place, kept
         assert all(p.grad is not None or getattr(p, "main_grad", None) is not None
                    for p in params), "release off keeps the grads"
         return
-    assert all(b.grad_storage is None for b in buffers)
     assert _released(*storages), "a released buffer is still alive"
     assert all(p.grad is None and getattr(p, "main_grad", None) is None
                for p in params), "release leaves no grad behind"
-    model.eval_batch(data)
-    assert all(b.grad_storage is None for b in buffers + own)
+    if not isinstance(model, PipelineParallelWithInterleave):
+        model.eval_batch(data)
+        assert all(b.grad_storage is None for b in buffers + own)
 
 
 def _pipe_run(hcg, strategy, opt_name, steps, mbs, wrap=None, dtype=torch.float32,
