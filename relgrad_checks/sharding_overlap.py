@@ -144,29 +144,37 @@ def _assert_same_runs(parts, trajs, buckets=True):
 
 # ---------------------------------------------------------------- sharding's own overlap
 
-def _train_own(hcg, version, strategy, watch=None, free=False, record=None):
-    """3 steps of `acc` micro-batches on this rank's slice of 24 rows: the params per step."""
+def _train_own(hcg, cls, strategy, watch=None, free=False, record=None, timing=None):
+    """3 steps of `acc` micro-batches on this rank's slice of 24 rows: the params per step.
+    With `timing`, on a 6-param MLP whose layers' backward sleeps 5 ms (gloo finishes)."""
     group_rank, nranks = dist.get_rank(), dist.get_world_size()
     acc = strategy.sharding_configs.accumulate_steps
     overlap = strategy.sharding_configs.comm_overlap
-    model = _mlp([6, 16, 4])
-    opt = _shard(_CLASSES[version], OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
+    timed = timing is not None
+    timing = {"in_backward": False, "entries": []} if timing is None else timing
+    model = _mlp([6, 16, 16, 4] if timed else [6, 16, 4])
+    for layer in model if timed else []:
+        layer.register_full_backward_pre_hook(lambda *_: time.sleep(0.005))
+    opt = _shard(cls, OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
     buffers = opt.comm_buffers
     for buf in buffers if watch is not None else []:
-        _watch(buf, watch, free)
+        _watch(buf, watch, free, timing, buffers)
     traj = []
     for step in range(3):
         x, y = (t.chunk(nranks)[group_rank] for t in _data(step, 24, *_io(model)))
         for xb, yb in zip(x.chunk(acc), y.chunk(acc)):
             assert all(b._task is None for b in buffers), "a collective fired too early"
-            (F.mse_loss(model(xb), yb) / acc).backward()
+            loss = F.mse_loss(model(xb), yb) / acc
+            timing["in_backward"] = True
+            loss.backward()
+            timing["in_backward"] = False
         assert all((b._task is not None) == overlap for b in buffers), "no collective issued"
         with _spy_buffers({b.buffer_size for b in buffers}) as seen:
             opt.step()
         if record is not None:
             record["zeros"] += seen["zeros"]
             record["copies"] += seen["copies"]
-        if free and version == 1 and not overlap:
+        if free and not issubclass(cls, DygraphShardingOptimizerV2) and not overlap:
             owned = [opt._param2rank[p] == group_rank for p in model.parameters()]
             assert [p.grad is not None for p in model.parameters()] == owned
         opt.zero_grad(set_to_none=strategy.pp_configs.release_gradients)
@@ -182,9 +190,8 @@ def own_overlap(rank, world):
             oracle = _oracle(lambda: _mlp([6, 16, 4]), "adam", 3, 24)
             trajs = {}
             for release in (False, True):
-                record = {"zeros": [], "copies": []}
-                trajs[release] = _train_own(hcg, version, _own_strategy(world, acc, release),
-                                            record=record)
+                record, st = {"zeros": [], "copies": []}, _own_strategy(world, acc, release)
+                trajs[release] = _train_own(hcg, _CLASSES[version], st, record=record)
                 assert not release or _counts(record) == (0, 0), _counts(record)
                 _assert_close_each(trajs[release], oracle)
                 assert all(_same_on_all(got) for got in trajs[release])
@@ -283,7 +290,7 @@ def free_in_comm(rank, world):
             parts, trajs = {False: [], True: []}, {}
             for free in (False, True):
                 st = _own_strategy(world, acc, release=free, free=free, overlap=overlap)
-                trajs[free] = _train_own(hcg, version, st, watch=parts[free], free=free)
+                trajs[free] = _train_own(hcg, _CLASSES[version], st, watch=parts[free], free=free)
             _assert_same_runs(parts, trajs, buckets=overlap or version == 2)
 
 
@@ -341,7 +348,7 @@ def free_during_backward(rank, world):
                 timings[free] = {"in_backward": False, "entries": []}
                 st = _own_strategy(world, acc, release=free, free=free)
                 st.sharding_configs.split_param = version == 2
-                trajs[free] = _train_watched(hcg, cls, st, parts[free], timings[free], free)
+                trajs[free] = _train_own(hcg, cls, st, parts[free], free, timing=timings[free])
             _assert_same_runs(parts, trajs)
             for free, timing in timings.items():
                 timing = timing["entries"]
@@ -351,30 +358,6 @@ def free_during_backward(rank, world):
                 # (never waiting there; each layer's backward sleeps 5 ms to let gloo finish)
                 early = sum(timing)
                 assert (early >= 3) if free else early == 0, (version, acc, free, timing)
-
-
-def _train_watched(hcg, cls, strategy, record, timing, free):
-    """3 steps of a 6-param MLP on a batch of 24, every bucket watched (`_watch` with timing)."""
-    group_rank, nranks = dist.get_rank(), dist.get_world_size()
-    acc = strategy.sharding_configs.accumulate_steps
-    model = _mlp([6, 16, 16, 4])
-    for layer in model:
-        layer.register_full_backward_pre_hook(lambda *_: time.sleep(0.005))
-    opt = cls(OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
-    for buf in opt.comm_buffers:
-        _watch(buf, record, free, timing, opt.comm_buffers)
-    traj = []
-    for step in range(3):
-        x, y = (t.chunk(nranks)[group_rank] for t in _data(step, 24, *_io(model)))
-        for xb, yb in zip(x.chunk(acc), y.chunk(acc)):
-            loss = F.mse_loss(model(xb), yb) / acc
-            timing["in_backward"] = True
-            loss.backward()
-            timing["in_backward"] = False
-        opt.step()
-        opt.zero_grad(set_to_none=strategy.pp_configs.release_gradients)
-        traj.append(_params(model))
-    return traj
 
 
 def end_of_backward_bytes(rank, world):
