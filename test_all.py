@@ -101,7 +101,7 @@ class RankPool:
     """`world` gloo ranks on 127.0.0.1: `run(fn, *args)` returns `fn(rank, world, *args)` by rank;
     a rank raising or dying, or `timeout` s passing, kills them all and raises RankFailed."""
 
-    def __init__(self, world):
+    def __init__(self, world: int) -> None:
         self.world, self.closed = world, False
         ctx = _RANK_CONTEXT
         self._store = dist.TCPStore("127.0.0.1", 0, world, is_master=True,
@@ -584,7 +584,7 @@ class _Runs:
     """Commands run one after another from the repo root by a thread; `specs`: [(name, command,
     timeout, merged: stderr into stdout)]; a run past its timeout is ended, with all it started."""
 
-    def __init__(self, specs, folder):
+    def __init__(self, specs: list, folder: Path) -> None:
         self._specs, self._results, self._proc, self._stopped = specs, {}, None, False
         self.folder = folder
         self._done = {name: threading.Event() for name, *_ in specs}

@@ -136,7 +136,7 @@ def _check_consolidated(full, oracle_opt, bf16):
         assert torch.equal(full["master_weights"][i], m), i
 
 
-def save_on_two(rank, world, folder):
+def save_on_two(rank: int, world: int, folder: str) -> None:
     """2 ranks: save after 2 steps, resume on 2 (bitwise), 1, torch's Adam (close); misuse."""
     oracle = _one_process(4)[2]
     two, one_beside_dp = _sharding_groups(2, release=True), _sharding_groups(1, 2, True)
@@ -190,7 +190,7 @@ def _check_other_layouts(rank, world, version, two, one_beside_dp, saved, own, o
     _assert_close_each(_resume(version, two, state), oracle)
 
 
-def load_on_three(rank, world, folder):
+def load_on_three(rank: int, world: int, folder: str) -> None:
     """3 ranks: 2-rank checkpoints resume and re-consolidate bitwise; save for 3 -> 2."""
     oracle, three = _one_process(4)[2], _sharding_groups(3, release=True)
     for version in (1, 2):
@@ -213,7 +213,7 @@ def load_on_three(rank, world, folder):
         _save_on_rank0(saved, os.path.join(folder, f"three_v{version}.pt"))
 
 
-def load_from_three(rank, world, folder):
+def load_from_three(rank: int, world: int, folder: str) -> None:
     """2 ranks: the 3-rank checkpoints resume (allclose to one process)."""
     oracle, two = _one_process(4)[2], _sharding_groups(2, release=True)
     for version in (1, 2):
@@ -221,7 +221,7 @@ def load_from_three(rank, world, folder):
         _assert_close_each(_resume(version, two, saved), oracle)
 
 
-def pipeline_resume(rank, world):
+def pipeline_resume(rank: int, world: int) -> None:
     """pp 2 x sharding 2: a stage's consolidated state resumes as if without a break."""
     _, oracle = _pipe_oracle("adam", 4, 8)
     for version in (1, 2):
@@ -266,7 +266,7 @@ def pipeline_resume(rank, world):
         _assert_close_each(got, oracle[-1][_stage_slice(model, hcg)])
 
 
-def beside_dp(rank, world):
+def beside_dp(rank: int, world: int) -> None:
     """dp 2 x sharding 2: resume on 2 x 2 (bitwise), on sharding 4 (close); misuse raises."""
     dp_two, four = _sharding_groups(2, 2, True), _sharding_groups(4, release=True)
     oracle = _one_process(4)[2]

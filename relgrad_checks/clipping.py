@@ -18,7 +18,7 @@ from relgrad_checks.common import (OPTIMIZERS, _assert_bitwise, _assert_close_ea
 class Scale(nn.Module):
     """`x * w` with one scalar weight: a stage whose grad is computed by hand."""
 
-    def __init__(self, value):
+    def __init__(self, value: float) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.tensor([float(value)]))
 
@@ -104,7 +104,8 @@ def _scale_layers(frozen):
     return layers
 
 
-def clip_global_norm(rank, world, steps=3, clip=1.0, lr=0.1):
+def clip_global_norm(rank: int, world: int, steps: int = 3, clip: float = 1.0,
+                     lr: float = 0.1) -> None:
     """pp 2 x (sharding 2 | dp 2), overlap, release: the norm and update as by hand."""
     hands, oracles = {}, {}
     for frozen in (False, True):
@@ -183,7 +184,7 @@ def _tied_oracle(steps, clip, batch):
     return norms, [{0: w[0], 2: w[1], 3: w[2], 5: w[0]} for w in traj]
 
 
-def tied_weights(rank, world, steps=3, clip=0.05):
+def tied_weights(rank: int, world: int, steps: int = 3, clip: float = 0.05) -> None:
     """pp 2 x (sharding 2 | dp 2): a tie owned by different ranks trains as one weight."""
     batch = 2 * 2 * 2  # replicas x micro-batches x samples
     oracle_norms, oracle = _tied_oracle(steps, clip, batch)
@@ -237,7 +238,7 @@ def _check_tie_misuse(model, hcg, strategy, data):
 
 # ---------------------------------------------------------------- several schedule calls
 
-def accumulate_calls(rank, world, steps=3):
+def accumulate_calls(rank: int, world: int, steps: int = 3) -> None:
     """Two schedule calls per step: a = b = 0.6, 0.36, 0.216; with overlap refused."""
     for overlap in (False, True):
         for release in (False, True):
@@ -262,7 +263,7 @@ def accumulate_calls(rank, world, steps=3):
     dist.barrier()  # every rank got here: none is blocked in a collective
 
 
-def second_call_refused_pp3(rank, world):
+def second_call_refused_pp3(rank: int, world: int) -> None:
     """pp 3, first-last tie: a second schedule call raises on every stage."""
     strategy = _strategy(pp=3, acc=2, release=True)
     hcg = HybridCommunicateGroup(strategy)

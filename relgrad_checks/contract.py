@@ -23,7 +23,7 @@ V1, V2 = DygraphShardingOptimizer, DygraphShardingOptimizerV2
 class _Params(nn.Module):
     """Scalar params `a`, `b`, ... (shape (1,)) with given start values."""
 
-    def __init__(self, dtype=torch.float32, **values):
+    def __init__(self, dtype: torch.dtype = torch.float32, **values: float) -> None:
         super().__init__()
         for name, value in values.items():
             self.register_parameter(name, nn.Parameter(torch.tensor([value], dtype=dtype)))
@@ -48,7 +48,7 @@ def _value(p):
     return p.detach().float().item()
 
 
-def groups_after_load(rank, world):
+def groups_after_load(rank: int, world: int) -> None:
     """An LR set (or scheduled) after load_state_dict reaches the step; a template's raises."""
     hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):
@@ -82,7 +82,7 @@ def groups_after_load(rank, world):
             assert _value(m.w) == 1.0
 
 
-def masters_reload(rank, world):
+def masters_reload(rank: int, world: int) -> None:
     """bf16 + main_grad: weights loaded into the model after a step are what trains."""
     hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):
@@ -107,7 +107,7 @@ def masters_reload(rank, world):
             assert _value(m.w) == 0.99609375, (kind, _value(m.w))
 
 
-def add_param_group(rank, world):
+def add_param_group(rank: int, world: int) -> None:
     """v1 shards an added group (b = -1.0); MixPrecision gives it a master; v2 raises."""
     hcg, strategy = _sharding_groups(world)
     for release, st in _releases(strategy):
@@ -136,7 +136,7 @@ def add_param_group(rank, world):
     assert (_value(m.a), _value(m.b)) == (0.0, 0.5)
 
 
-def hooks(rank, world):
+def hooks(rank: int, world: int) -> None:
     """torch's hooks run in order; the load pre-hook's lr 0.5 state loads (w: 1, 0, -0.5)."""
     hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):
@@ -171,7 +171,7 @@ def hooks(rank, world):
         assert _value(m.w) == -0.5, (kind, _value(m.w))
 
 
-def grad_on_some_ranks(rank, world, dp=1):
+def grad_on_some_ranks(rank: int, world: int, dp: int = 1) -> None:
     """A param left out of one rank's loss is stepped on the mean, v1 and v2."""
     hcg, strategy = _sharding_groups(world // dp, dp)
     # 2 ranks: a = 1 - (1 + 3) / 2, b = 1 - (1 + 0) / 2; 4 ranks: a = 1 - (1 + 3 + 5 + 7) / 4,
@@ -190,7 +190,7 @@ def grad_on_some_ranks(rank, world, dp=1):
             assert _value(m.c) == 1.0
 
 
-def pipeline_dp_grad_on_some_ranks(rank, world):
+def pipeline_dp_grad_on_some_ranks(rank: int, world: int) -> None:
     """pp 2 x dp 2 without overlap: a grad on one dp replica only reaches both, no hang."""
     strategy = _strategy(dp=2, pp=2)
     hcg = HybridCommunicateGroup(strategy)
@@ -212,7 +212,7 @@ def _built(kind, st, hcg, opt_name="sgd", dtype=torch.float32):
     return model, _shard(kind, OPTIMIZERS[opt_name](model.parameters()), hcg, st)
 
 
-def v2_model_moved(rank, world):
+def v2_model_moved(rank: int, world: int) -> None:
     """v2: model.to(float64).to(float32) trains as one process; a model left in float64 raises."""
     hcg, strategy = _sharding_groups(world)
     oracle = _oracle(lambda: _mlp([6, 16, 4]), "sgd", 3, 8)
@@ -227,7 +227,7 @@ def v2_model_moved(rank, world):
             opt.step()
 
 
-def unfrozen_param(rank, world):
+def unfrozen_param(rank: int, world: int) -> None:
     """A layer frozen at build, then unfrozen: v1 trains it as one process; v2 raises."""
     hcg, strategy = _sharding_groups(world)
     oracle = _oracle(lambda: _mlp([6, 16, 4]), "sgd", 3, 8)
@@ -245,7 +245,7 @@ def unfrozen_param(rank, world):
                 opt.step()
 
 
-def main_grad_some_layers(rank, world):
+def main_grad_some_layers(rank: int, world: int) -> None:
     """bf16, main-grad hooks on some layers: v2 raises at build, or at step()."""
     hcg, strategy = _sharding_groups(world)
     for _, st in _releases(strategy):
@@ -260,7 +260,7 @@ def main_grad_some_layers(rank, world):
             opt.step()
 
 
-def zero_grad_before_step(rank, world):
+def zero_grad_before_step(rank: int, world: int) -> None:
     """zero_grad() before step(), or assign=True params, raise in v1 and v2."""
     hcg, strategy = _sharding_groups(world)
     for release, st in _releases(strategy):
@@ -277,7 +277,7 @@ def zero_grad_before_step(rank, world):
                 opt.step()
 
 
-def no_grad_not_stepped(rank, world):
+def no_grad_not_stepped(rank: int, world: int) -> None:
     """AdamW, a layer no rank uses: left untouched, on == off, the rest like one process."""
     hcg, strategy = _sharding_groups(world)
 
@@ -301,7 +301,7 @@ def no_grad_not_stepped(rank, world):
         _assert_close_each(trajs[True], _train(model, adamw(model), 3, 8, net=model[0]))
 
 
-def grad_scaler(rank, world):
+def grad_scaler(rank: int, world: int) -> None:
     """torch.amp.GradScaler driving a wrapper raises on every rank; params unchanged."""
     hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):
@@ -314,7 +314,7 @@ def grad_scaler(rank, world):
         assert _same_on_all([m.w])
 
 
-def stateful_template(rank, world):
+def stateful_template(rank: int, world: int) -> None:
     """A torch optimizer with state is refused everywhere; MixPrecision loads its state."""
     hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):

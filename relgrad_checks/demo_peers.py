@@ -44,7 +44,7 @@ def _measured_release(released):
     return original, release
 
 
-def peers_agree(rank, world):
+def peers_agree(rank: int, world: int) -> dict:
     """DDP + ZeRO bitwise v2, FSDP2 within 1e-6, each release returning the buffer's bytes."""
     released = []
     original, release = _measured_release(released)

@@ -1,4 +1,4 @@
-"""Rank-side checks of the buffer (comm_buffer.py): layout, actions, lifetime, main grads, misuse."""
+"""Rank-side checks of comm_buffer.py's buffer: layout, actions, lifetime, main grads, misuse."""
 import weakref
 
 import pytest
@@ -14,7 +14,7 @@ from relgrad_checks.common import (ACTIONS, _assert_bitwise, _backward_int_grads
 ALL_REDUCE, REDUCE, REDUCE_SCATTER = ACTIONS
 
 
-def _check_layout(rank, world):
+def _check_layout(rank: int, world: int) -> None:
     """Offsets, padded sizes and buffer sizes follow Paddle's formulas."""
     params = _new_params([(1000,), (8, 8), (3,)], torch.bfloat16)
     buf = FusedCommBuffer(0, params, None, act=ALL_REDUCE, use_main_grad=True)
@@ -80,7 +80,7 @@ def _buckets(shapes, accs):
                 yield act, acc, release, params, _hooked(params, acc, act, release_grads=release)
 
 
-def _check_actions(rank, world):
+def _check_actions(rank: int, world: int) -> None:
     """Each action equals a per-param collective done by hand; release on == off, bitwise."""
     shapes = [(7, 5), (13,), (3, 4, 2), (70,)]
     results = {}
@@ -139,7 +139,7 @@ def _expected_and_got(buf, params, local, act, rank, world):
     return mine.clone()
 
 
-def _check_lifetime(rank, world):
+def _check_lifetime(rank: int, world: int) -> None:
     """Release: one allocation per step at its first check-in, freed at release; off: one place."""
     for act in ACTIONS:
         params = _new_params([(33,), (5, 5)])
@@ -170,7 +170,7 @@ def _check_lifetime(rank, world):
                 p.grad.zero_()
 
 
-def _check_main_grad(rank, world):
+def _check_main_grad(rank: int, world: int) -> None:
     """bf16 params, fp32 main_grad, 2 micro-batches of 128 and 0.5: exactly 128.5."""
     one = torch.ones((), dtype=torch.bfloat16)
     assert (one * 128 + one * 0.5).item() == 128.0, "bf16 alone would lose the 0.5"
@@ -197,7 +197,7 @@ def _check_main_grad(rank, world):
         _assert_bitwise(outs[:3], outs[3:])
 
 
-def _check_misuse(rank, world):
+def _check_misuse(rank: int, world: int) -> None:
     """Bad arguments and misuse raise clear errors on every rank."""
     params = _new_params([(4,), (3,)])
     for match, built_of, args, kwargs in (
@@ -280,7 +280,7 @@ def _signed_zero_grads(params, k):
     ((p * (k + 1)).sum() + (c * z).sum() * -0.0).backward()
 
 
-def _check_sign_of_zero(rank, world):
+def _check_sign_of_zero(rank: int, world: int) -> None:
     """A grad element that is -0.0 in every micro-batch ends as +0.0, release on and off."""
     shapes = [(5,), (300,)]  # v2, 2 ranks: z's 300 elements straddle both shards
     (z,) = _new_params(shapes[1:])  # the -0.0 is real: a plain backward keeps it
@@ -314,7 +314,7 @@ def _check_sign_of_zero(rank, world):
                 assert torch.all(a == 0), "-0.0 + the zero buffer must give +0.0"
 
 
-def _check_main_grad_before_hooks(rank, world):
+def _check_main_grad_before_hooks(rank: int, world: int) -> None:
     """A buffer built before `register_main_grad_hooks` trains as release off."""
     for act in (ALL_REDUCE, REDUCE_SCATTER):
         finals = {}

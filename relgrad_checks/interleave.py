@@ -57,7 +57,7 @@ def _interleaved(strategy, hcg, layers=None, vpp=2, bounds=None):
                                           bounds)
 
 
-def schedule_and_errors(rank, world):
+def schedule_and_errors(rank: int, world: int) -> None:
     """pp 2, 2 virtual stages: the order is the table, chunks and eval right; misuse."""
     torch.manual_seed(0)
     for acc in (4, 8):
@@ -161,7 +161,7 @@ def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad
         _assert_like(reference, losses, traj, what=release)
 
 
-def pp_only(rank, world):
+def pp_only(rank: int, world: int) -> None:
     """pp 2, 2 virtual stages, 4 and 2 micro-batches, release off / on; then clipped."""
     for acc, opt_name, delay in ((4, "sgd", False), (4, "adam", False), (4, "sgd", True),
                                  (2, "sgd", False)):
@@ -190,7 +190,7 @@ def pp_only(rank, world):
 class _RecordingClip(ClipGradByGlobalNorm):
     """ClipGradByGlobalNorm that keeps each call's global norm."""
 
-    def __init__(self, clip_norm):
+    def __init__(self, clip_norm: float) -> None:
         super().__init__(clip_norm)
         self.norms = []
 
@@ -200,7 +200,7 @@ class _RecordingClip(ClipGradByGlobalNorm):
         return out
 
 
-def with_sharding_and_dp(rank, world):
+def with_sharding_and_dp(rank: int, world: int) -> None:
     """2 virtual stages beside sharding v1 / v2 (main grads), dp 2, and on pp 4."""
     for version, overlap, main_grad in ((1, True, False), (1, False, False), (2, True, False),
                                         (2, False, False), (2, True, True)):
@@ -220,7 +220,7 @@ def with_sharding_and_dp(rank, world):
                     bounds=[0, 1, 3, 5, 7, 7, 7, 7, 7])
 
 
-def tied_weights(rank, world, steps=3, clip=0.05):
+def tied_weights(rank: int, world: int, steps: int = 3, clip: float = 0.05) -> None:
     """pp 2 x sharding 2, 2 virtual stages: a tie of chunks 0 and 3 trains as one weight."""
     batch = 2 * 2 * 2  # replicas x micro-batches x samples
     oracle_norms, oracle = _tied_oracle(steps, clip, batch)

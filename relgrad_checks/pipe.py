@@ -254,7 +254,8 @@ def _check_pipeline(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_
     _assert_bitwise(runs[False], runs[True])
 
 
-def pp_sharding(rank, world, version, opt_name="adam", main_grad=False, overlap=True):
+def pp_sharding(rank: int, world: int, version: int, opt_name: str = "adam",
+                main_grad: bool = False, overlap: bool = True) -> None:
     """pp 2 x sharding 2 (4 ranks), v1 or v2, sharding comm overlap on or off."""
     strategy = _strategy(pp=2, sharding=2, acc=4, sharding_comm_overlap=overlap,
                          split_param=version == 2)
@@ -266,7 +267,7 @@ def pp_sharding(rank, world, version, opt_name="adam", main_grad=False, overlap=
                     dtype=dtype, main_grad=main_grad)
 
 
-def sharding_flag_under_pp_overlap(rank, world):
+def sharding_flag_under_pp_overlap(rank: int, world: int) -> None:
     """pp 2 x sharding 2, v2, sharding-side flag only: pipeline buffers persist."""
     strategy = _strategy(pp=2, sharding=2, acc=4, sharding_comm_overlap=True,
                          split_param=True)
@@ -289,7 +290,7 @@ def sharding_flag_under_pp_overlap(rank, world):
         model.optimizer.zero_grad()  # set_to_none=True would detach grads from the buffers
 
 
-def pp_dp(rank, world, overlap):
+def pp_dp(rank: int, world: int, overlap: bool) -> None:
     """pp 2 x dp 2 (4 ranks), dp comm overlap on (Adam) or off (SGD: Adam would hide 1/dp)."""
     strategy = _strategy(dp=2, pp=2, acc=4, dp_comm_overlap=overlap)
     hcg = HybridCommunicateGroup(strategy)
@@ -299,7 +300,7 @@ def pp_dp(rank, world, overlap):
         _check_pipeline(hcg, strategy, None, opt_name="sgd", steps=2)
 
 
-def paramless_first_stage(rank, world):
+def paramless_first_stage(rank: int, world: int) -> None:
     """Explicit boundaries; a first stage without params builds no buffer and still runs."""
     strategy = _strategy(dp=2, pp=2, acc=4, dp_comm_overlap=True)
     hcg = HybridCommunicateGroup(strategy)
@@ -317,13 +318,13 @@ def paramless_first_stage(rank, world):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-7)
 
 
-def pp_only(rank, world, delay_scale_loss):
+def pp_only(rank: int, world: int, delay_scale_loss: bool) -> None:
     """pp 2 (2 ranks), SGD, with or without delay_scale_loss."""
     strategy = _strategy(pp=2, acc=4, delay_scale_loss=delay_scale_loss)
     _check_pipeline(HybridCommunicateGroup(strategy), strategy, None, opt_name="sgd")
 
 
-def loss_scaled_once(rank, world):
+def loss_scaled_once(rank: int, world: int) -> None:
     """4 micro-batches of 1 and 1 of 4 give one process's grads: the loss scaled once."""
     hcg = HybridCommunicateGroup(_strategy(pp=2, acc=4))
     x, y = _data(0, 4, PIPE_SIZES[0], PIPE_SIZES[-1])
@@ -337,7 +338,7 @@ def loss_scaled_once(rank, world):
         _assert_close_each(got, want[_stage_slice(model, hcg)], rtol=1e-5, atol=1e-7)
 
 
-def eval_and_errors(rank, world):
+def eval_and_errors(rank: int, world: int) -> None:
     """eval_batch equals one process; a bad batch and bad overlap configs raise."""
     strategy = _strategy(pp=2, acc=4)
     hcg = HybridCommunicateGroup(strategy)
@@ -363,7 +364,7 @@ def _failing_loss(out, y):
     return _mse(out, y)
 
 
-def _failing_worker(rank, world):
+def _failing_worker(rank: int, world: int) -> None:
     strategy = _strategy(pp=2, acc=4)
     model = PipelineParallel(_pipe_layers(), HybridCommunicateGroup(strategy), strategy,
                              _failing_loss)

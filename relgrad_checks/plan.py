@@ -14,7 +14,7 @@ from sharding import DygraphShardingOptimizer
 SIZES = [1000, 300, 20, 4096, 1, 129, 12288, 64, 65, 70001, 7, 511, 512, 513, 128, 3]
 
 
-def layout_mismatches():
+def layout_mismatches() -> list:
     """Where the plan's arithmetic and the core's layout disagree (fp32, bf16, 1-8 ranks)."""
     problems = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -53,7 +53,7 @@ def layout_mismatches():
     return problems
 
 
-def main_job_opts(config, trace):
+def main_job_opts(config: dict, trace: str | None) -> dict:
     """The main job's cli opts from its --json `config`; `trace`: the path it wrote, if any."""
     from relgrad_demo import cli
     argv = ["--pp", config["pp_degree"], "--sharding", config["sharding_degree"], "--dp",

@@ -182,7 +182,7 @@ def _train_own(hcg, cls, strategy, watch=None, free=False, record=None, timing=N
     return traj
 
 
-def own_overlap(rank, world):
+def own_overlap(rank: int, world: int) -> None:
     """Own overlap, v1 and v2, acc 1 and 4: one process, on == off, one allocation, misuse."""
     hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
     for version in (1, 2):
@@ -282,7 +282,7 @@ def _check_config_errors(hcg, world):
 
 # ---------------------------------------------------------------- free_grads_in_comm
 
-def free_in_comm(rank, world):
+def free_in_comm(rank: int, world: int) -> None:
     """v1 and v2, own overlap (acc 1, 4) or none: free_grads_in_comm frees the unread part."""
     hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
     for version in (1, 2):
@@ -294,7 +294,7 @@ def free_in_comm(rank, world):
             _assert_same_runs(parts, trajs, buckets=overlap or version == 2)
 
 
-def free_in_comm_pipeline(rank, world):
+def free_in_comm_pipeline(rank: int, world: int) -> None:
     """`free_in_comm`'s checks on the pipeline's buffers (pp 2 x sharding 2)."""
     hcg = None
     for version in (1, 2):
@@ -338,7 +338,7 @@ def _train_pipe(hcg, version, strategy, record, free, mbs=2):
     return traj
 
 
-def free_during_backward(rank, world):
+def free_during_backward(rank: int, world: int) -> None:
     """6 buckets, v1, v2, acc 1, 4: free completes collectives in the last backward."""
     hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
     for version, cls in ((1, _SmallBucketsV1), (2, _OneParamBucketsV2)):
@@ -360,7 +360,7 @@ def free_during_backward(rank, world):
                 assert (early >= 3) if free else early == 0, (version, acc, free, timing)
 
 
-def end_of_backward_bytes(rank, world):
+def end_of_backward_bytes(rank: int, world: int) -> tuple:
     """v2, 1 MB buckets: growth after backward <= G + bucket + 256 KiB; (G, bucket, growth)."""
     from relgrad_demo.memory import allocator_in_use_bytes
     st = _own_strategy(world, 1, True)

@@ -43,7 +43,7 @@ def _check_against_oracle(hcg, strategy, make_model, sched=False):
             _assert_bitwise(trajs[False], trajs[True])
 
 
-def against_oracle(rank, world, dp=1):
+def against_oracle(rank: int, world: int, dp: int = 1) -> None:
     """v1 / v2 x SGD / Adam x release off / on against one process (sharding world/dp, dp)."""
     hcg, strategy = _sharding_groups(world // dp, dp)
     assert hcg.get_data_parallel_rank() == rank // (world // dp)
@@ -51,7 +51,7 @@ def against_oracle(rank, world, dp=1):
     _check_against_oracle(hcg, strategy, lambda: _mlp([6, 16, 4]))
 
 
-def edges(rank, world):
+def edges(rank: int, world: int) -> None:
     """11 elements; v1 with a rank that owns nothing; v2 with padding-only shards."""
     hcg, strategy = _sharding_groups(world)
     _check_against_oracle(hcg, strategy, lambda: _mlp([3, 2, 1]))  # 6 + 2 + 2 + 1 elements
@@ -91,7 +91,7 @@ def _grad_refs(model, opt):
     return tensors
 
 
-def lifetime(rank, world, side="pp_configs"):
+def lifetime(rank: int, world: int, side: str = "pp_configs") -> None:
     """v2: release frees every grad and buffer at clear_grad, off keeps one address."""
     hcg, strategy = _sharding_groups(world)
     for main_grad in (False, True):
@@ -121,7 +121,7 @@ def lifetime(rank, world, side="pp_configs"):
                     opt.zero_grad()  # torch's default set_to_none=True
 
 
-def unused_param(rank, world):
+def unused_param(rank: int, world: int) -> None:
     """v2, a param without grad: on == off; a second step() or an early zero_grad() raise."""
     hcg, strategy = _sharding_groups(world)
     trajs = {}
@@ -145,7 +145,7 @@ def unused_param(rank, world):
     _assert_bitwise(trajs[False], trajs[True])
 
 
-def sched_and_state(rank, world):
+def sched_and_state(rank: int, world: int) -> None:
     """A torch LR scheduler drives the wrapper; state_dict round-trips this rank's state."""
     hcg, strategy = _sharding_groups(world)
     _check_against_oracle(hcg, strategy, lambda: _mlp([6, 16, 4]), sched=True)
@@ -165,7 +165,7 @@ def sched_and_state(rank, world):
         _assert_bitwise(_train(model2, opt2, [1], set_to_none=False), want)
 
 
-def main_grad(rank, world):
+def main_grad(rank: int, world: int) -> None:
     """bf16 main grads and masters, v1, v2: on == off == one process summing as the ranks do."""
     hcg, strategy = _sharding_groups(world)
 
