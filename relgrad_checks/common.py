@@ -124,8 +124,9 @@ def _train(model, opt, steps, batch=8, part=(1, 0), set_to_none=True, sched=None
     """Train `steps` on part (parts, index) of each `_data` batch through `net`: params per step."""
     net = model if net is None else net
     dtype = next(model.parameters()).dtype
+    steps = range(steps) if isinstance(steps, int) else steps
     traj = []
-    for step in range(steps) if isinstance(steps, int) else steps:
+    for step in steps:
         x, y = (t.chunk(part[0])[part[1]].to(dtype) for t in _data(step, batch, *_io(net)))
         _mse(net(x), y).backward()
         if after_backward is not None:

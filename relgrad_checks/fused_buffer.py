@@ -142,8 +142,9 @@ def _expected_and_got(buf, params, local, act, rank, world):
 def _check_lifetime(rank: int, world: int) -> None:
     """Release: one allocation per step at its first check-in, freed at release; off: one place."""
     for act in ACTIONS:
+        dst = 0 if act == REDUCE else -1
         params = _new_params([(33,), (5, 5)])
-        buf = _hooked(params, 2, act, 0 if act == REDUCE else -1, release_grads=True)
+        buf = _hooked(params, 2, act, dst, release_grads=True)
         for step in range(3):
             assert buf.grad_storage is None
             with _spy_buffers({buf.buffer_size}) as record:
@@ -158,7 +159,7 @@ def _check_lifetime(rank: int, world: int) -> None:
             assert _released(old), "the released buffer is still alive"
         buf._clear_grad_storage()  # documented no-op: nothing allocated this step
         params = _new_params([(33,), (5, 5)])
-        buf = _hooked(params, 2, act, 0 if act == REDUCE else -1, release_grads=False)
+        buf = _hooked(params, 2, act, dst, release_grads=False)
         address = buf.grad_storage.data_ptr()
         for step in range(3):
             for k in range(2):

@@ -150,15 +150,18 @@ def _train_own(hcg, cls, strategy, watch=None, free=False, record=None, timing=N
     group_rank, nranks = dist.get_rank(), dist.get_world_size()
     acc = strategy.sharding_configs.accumulate_steps
     overlap = strategy.sharding_configs.comm_overlap
-    timed = timing is not None
-    timing = {"in_backward": False, "entries": []} if timing is None else timing
-    model = _mlp([6, 16, 16, 4] if timed else [6, 16, 4])
-    for layer in model if timed else []:
-        layer.register_full_backward_pre_hook(lambda *_: time.sleep(0.005))
+    if timing is None:
+        timing = {"in_backward": False, "entries": []}
+        model = _mlp([6, 16, 4])
+    else:
+        model = _mlp([6, 16, 16, 4])
+        for layer in model:
+            layer.register_full_backward_pre_hook(lambda *_: time.sleep(0.005))
     opt = _shard(cls, OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
     buffers = opt.comm_buffers
-    for buf in buffers if watch is not None else []:
-        _watch(buf, watch, free, timing, buffers)
+    for buf in buffers:
+        if watch is not None:
+            _watch(buf, watch, free, timing, buffers)
     traj = []
     for step in range(3):
         x, y = (t.chunk(nranks)[group_rank] for t in _data(step, 24, *_io(model)))
