@@ -160,9 +160,11 @@ def _check_schedule(model, seen, record, own, release, overlap, fires_at):
         assert sorted(by_chunk) == [0, 1] and all(by_chunk.values()), "a bucket per chunk"
         assert model.accumulate_steps == 4 and fires_at is not None  # FIRES_AT's case
     for chunk, chunk_buffers in by_chunk.items():
-        last, want = ("B", model.accumulate_steps - 1), ("B", model.accumulate_steps - 1)
-        if interleaved:
-            last, want = ("B", model.accumulate_steps - 1, chunk), fires_at[chunk]
+        last = ("B", model.accumulate_steps - 1)  # the last micro-batch's backward
+        want = last
+        if interleaved:  # the chunk's last backward; Paddle fires where FIRES_AT says
+            last = ("B", model.accumulate_steps - 1, chunk)
+            want = fires_at[chunk]
         for b in chunk_buffers:
             when = [w for t, w in seen.calls if t is b.grad_storage]
             assert when == [want], (chunk, when)

@@ -92,7 +92,7 @@ def _grad_refs(model, opt):
 
 
 def lifetime(rank: int, world: int, side: str = "pp_configs") -> None:
-    """v2: release frees every grad and buffer at clear_grad, off keeps one address."""
+    """v2: release (`side`'s flag) frees every grad and buffer at clear_grad; off: one address."""
     hcg, strategy = _sharding_groups(world)
     for main_grad in (False, True):
         for release, st in _releases(strategy, side):
