@@ -1,17 +1,13 @@
-"""Tests for relgrad: comm buffers, sharding v1/v2, the 1F1B pipeline, config and the demo.
+"""Tests for relgrad: the buffer, sharding v1 / v2, the pipeline, config and the demo.
 
-One test per scenario. What each rank runs lives in `relgrad_checks/` (one module per concern);
-the tests here say what is checked and on how many ranks. Multi-rank scenarios run on a pool of
-gloo ranks started once per world size and kept for the session (`ranks(world)`): a fresh
-process costs seconds (torch import), running a scenario on a live rank costs little. Ranks are
-forked from a forkserver that imported torch once, so a pool (re)built costs a fraction of a
-second. A rank that
-raises, or a scenario that outlives its timeout, fails its test and kills the whole pool, which
-is rebuilt for the next test, so no test inherits a rank stuck in a collective. Each scenario
-asserts against something independent: a per-parameter collective done by hand, one process
-training the same model on the whole batch (the oracle), and release off vs on (bitwise).
-The runs that need processes of their own (the main job, torchrun's) start with the session,
-one after another, beside the tests (`started_runs`).
+One test per scenario, in sections named by what they test; what each rank runs sits beside
+its test or in the `relgrad_checks/` module the section names. Multi-rank scenarios run on a
+pool of gloo ranks kept for the session per world size (`ranks(world)`), forked from a
+forkserver that imported torch once; a rank that raises, or a scenario past its timeout, fails
+its test and ends the pool, which is rebuilt for the next test. Each scenario asserts against
+something independent: per-param collectives done by hand, one process training the same
+model on the whole batch, release off vs on (bitwise). The runs in processes of their own (the
+main job, torchrun's) start with the session, one after another, beside the tests.
 """
 import ast
 import json
@@ -51,13 +47,13 @@ from relgrad_demo.launch import launch
 # Seconds a scenario may run on its ranks; a hang fails the test instead of blocking the suite.
 TIMEOUT = float(os.environ.get("RELGRAD_TEST_TIMEOUT", 120))
 
-# The pool's ranks start as the demo's launcher starts its own: forked from a server process
-# that imported torch and torch._dynamo once (~2 s of CPU per process otherwise; spawned off
-# Linux). The server preloads only installed packages, so a rank imports this
-# repo's files from its own sys.path, never another checkout's.
+# The pool's ranks fork, as the demo launcher's do, from a server that imported torch once (~2 s
+# of CPU per process otherwise; spawned off Linux); it preloads installed packages only, so a
+# rank imports this repo's files from its own sys.path, never another checkout's.
 _RANK_CONTEXT = mp.get_context(launcher._START_METHOD)
 if launcher._START_METHOD == "forkserver":
     _RANK_CONTEXT.set_forkserver_preload(launcher._PRELOAD)
+
 
 
 # ---------------------------------------------------------------- the pool of ranks
@@ -87,11 +83,9 @@ def _pool_rank(rank, world, port, inbox, outbox):
 
 
 def _destroy_subgroups():
-    """Destroy the groups earlier scenarios built (each HybridCommunicateGroup builds its own),
-    once the pool's parent has every rank's result of them and sent the next job: kept,
-    their gloo threads pile up in the pool's ranks (about 300 per rank over the suite) and
-    take a good part of the cores from the tests that start processes of their own. Not
-    while a timed-out p2p wait of the pipeline may still use its group (`_ABANDONED`)."""
+    """Destroy the groups earlier scenarios built (kept, their gloo threads pile up, ~300 per
+    rank over the suite, and take cores from the other tests); not while a timed-out p2p wait
+    of the pipeline may still use its group (`_ABANDONED`)."""
     pipeline_module = sys.modules.get("pipeline")
     abandoned = pipeline_module._ABANDONED if pipeline_module is not None else []
     works = [w for entry in abandoned for w in (entry if isinstance(entry, list) else [entry])]
@@ -104,14 +98,10 @@ def _destroy_subgroups():
 
 
 class RankPool:
-    """`world` gloo ranks on 127.0.0.1 (a port the OS picks) that run scenario after scenario.
+    """`world` gloo ranks on 127.0.0.1: `run(fn, *args)` returns `fn(rank, world, *args)` by rank;
+    a rank raising or dying, or `timeout` s passing, kills them all and raises RankFailed."""
 
-    `run(fn, *args)` calls `fn(rank, world, *args)` on every rank and returns the results by
-    rank. If any rank raises, dies, or the ranks are not all done within `timeout` seconds, the
-    pool kills every rank and raises RankFailed; a closed pool is not reused.
-    """
-
-    def __init__(self, world):
+    def __init__(self, world: int) -> None:
         self.world, self.closed = world, False
         ctx = _RANK_CONTEXT
         self._store = dist.TCPStore("127.0.0.1", 0, world, is_master=True,
@@ -177,7 +167,8 @@ def ranks():
         pool.close()
 
 
-# ---------------------------------------------------------------- the pool itself
+
+# ---------------------------------------------------------------- the pool itself, the launcher
 
 def _raise_on(rank, world, bad_rank):
     if rank == bad_rank:
@@ -187,7 +178,7 @@ def _raise_on(rank, world, bad_rank):
 
 
 def test_pool_runs_and_recovers(ranks):
-    """Check a rank that raises fails the test at once, ends all ranks, and the pool rebuilds."""
+    """Check that a rank that raises fails at once, ends all ranks, and the pool rebuilds."""
     assert ranks(2).run(_raise_on, -1) == [0, 1]
     start = time.monotonic()
     with pytest.raises(RankFailed, match="injected failure on rank 1"):
@@ -202,7 +193,7 @@ def _hang(rank, world):
 
 
 def test_pool_hang_fails_on_timeout(ranks):
-    """Check a rank stuck waiting for a peer fails the test at the timeout instead of hanging."""
+    """Check that a rank stuck waiting for a peer fails the test at the timeout, no hang."""
     start = time.monotonic()
     with pytest.raises(RankFailed, match="still running after 1 s"):
         ranks(2).run(_hang, timeout=1)  # the ranks are live: rank 0 is in recv well before 1 s
@@ -210,7 +201,7 @@ def test_pool_hang_fails_on_timeout(ranks):
 
 
 def test_failing_rank_ends_all():
-    """Check the demo's launcher: a rank that raises mid-schedule brings every rank down."""
+    """Check that a rank of the demo's launcher raising mid-schedule brings every rank down."""
     start = time.monotonic()
     with pytest.raises(mp.ProcessRaisedException, match="injected failure"):
         launch(pipe._failing_worker, 2, timeout=180)
@@ -218,64 +209,58 @@ def test_failing_rank_ends_all():
 
 
 def test_hang_fails_on_timeout():
-    """Check the demo's launcher: a rank stuck waiting for a live peer fails at the timeout."""
+    """Check that a launcher's rank stuck waiting for a live peer fails at the timeout."""
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="2 ranks of _hanging_worker still running after 2 s; "
                                            "killed them all"):
-        # the peer lives 60 s: only the timeout ends it; 2 s: the ranks fork from the launcher's
-        # forkserver (the pool's, running since the first test; its first start, importing
-        # torch, takes ~2 s) in a fraction of a second, so rank 0 waits for its peer for most
-        # of the 2 s
+        # the peer lives 60 s: only the timeout ends it; the ranks fork from the running
+        # forkserver in a fraction of a second, so rank 0 waits for most of the 2 s
         launch(pipe._hanging_worker, 2, timeout=2)
     elapsed = time.monotonic() - start
     assert 2 <= elapsed < 40, elapsed
 
 
-# ---------------------------------------------------------------- comm_buffer.py
+# -------------------------------------- the buffer (comm_buffer.py): relgrad_checks/fused_buffer.py
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_buffer_layout(ranks, world):
-    """Check offsets, padded sizes and shard ranges follow Paddle's 256-byte rules."""
+    """Check that offsets, padded sizes and shard ranges follow Paddle's 256-byte rules."""
     ranks(world).run(fused_buffer._check_layout)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_buffer_actions_match_per_param_collectives(ranks, world):
-    """Check all-reduce / reduce / reduce-scatter (acc 1, 4) equal per-param collectives,
-    release on == off bitwise."""
+    """Check that the three actions (acc 1, 4) equal per-param collectives, release on == off."""
     ranks(world).run(fused_buffer._check_actions)
 
 
 def test_buffer_lifetime(ranks):
-    """Check release allocates once per step at the first check-in and frees after release;
-    without release one buffer at one address."""
+    """Check that release allocates once per step and frees at release; off keeps one address."""
     ranks(2).run(fused_buffer._check_lifetime)
 
 
 def test_buffer_main_grad(ranks):
-    """Check bf16 params with fp32 main grads accumulate exactly (128 + 0.5), release on == off."""
+    """Check that bf16 params' fp32 main grads sum exactly (128 + 0.5), release on == off."""
     ranks(2).run(fused_buffer._check_main_grad)
 
 
 def test_buffer_misuse(ranks):
-    """Check bad arguments and each skipped part of a step raise clear errors."""
+    """Check that bad arguments and each skipped part of a step raise clear errors."""
     ranks(2).run(fused_buffer._check_misuse)
 
 
 def test_buffer_pin_sign_of_zero(ranks):
-    """Check that a grad that is -0.0 in every micro-batch ends as +0.0 bit for bit, release
-    on as off (the first check-in adds into the zero buffer, as Paddle's develop does)."""
+    """Check that a -0.0 grad ends as +0.0 as in Paddle's develop, release on as off."""
     ranks(2).run(fused_buffer._check_sign_of_zero)
 
 
 def test_buffer_pin_main_grad_before_hooks(ranks):
-    """Check that a release buffer of fp32 main grads built before register_main_grad_hooks
-    trains bitwise as release off does (nothing reads main_grad at construction)."""
+    """Check that a buffer built before register_main_grad_hooks trains as release off."""
     ranks(2).run(fused_buffer._check_main_grad_before_hooks)
 
 
 def test_assign_group_by_size():
-    """Check buckets close at the byte cap, keep one dtype each, and keep param order."""
+    """Check that buckets close at the byte cap, keep one dtype each, and keep param order."""
     ps = [torch.zeros(100), torch.zeros(100, dtype=torch.bfloat16), torch.zeros(100),
           torch.zeros(50), torch.zeros(10)]
     groups = comm_buffer.assign_group_by_size(ps, group_size=800)
@@ -288,84 +273,77 @@ def test_assign_group_by_size():
         comm_buffer.assign_group_by_size(ps, group_size=0)
 
 
-# ---------------------------------------------------------------- sharding.py
+# ------------------------------------------- sharding v1 / v2 (sharding.py): relgrad_checks/zero.py
 
-def test_sharding_against_one_process(ranks):
-    """Check v1 and v2 (SGD, Adam) on 2 ranks equal one process, release on == off bitwise."""
-    ranks(2).run(zero.against_oracle)
-
-
-def test_sharding_beside_dp(ranks):
-    """Check dp 2 x sharding 2 equals one process, release on == off bitwise."""
-    ranks(4).run(zero.against_oracle, 2)
+@pytest.mark.parametrize("world, dp", [(2, 1), (4, 2)])
+def test_sharding_against_one_process(ranks, world, dp):
+    """Check that v1 and v2 (alone, beside dp) equal one process, release on == off bitwise."""
+    ranks(world).run(zero.against_oracle, dp)
 
 
 def test_sharding_edges(ranks):
-    """Check 4 ranks on tiny models: a v1 rank owning nothing, v2 shards of padding only."""
+    """Check that tiny models (a v1 rank owning nothing, v2 padding shards) train as one process."""
     ranks(4).run(zero.edges)
 
 
 def test_sharding_v2_buffer_lifetime(ranks):
-    """Check v2 with release frees every grad and buffer at clear_grad; without, one address."""
+    """Check that v2's release frees every grad and buffer at clear_grad; off: one address."""
     ranks(2).run(zero.lifetime)
 
 
 def test_sharding_v2_sharding_side_flag(ranks):
-    """Check the later sharding_configs.release_gradients alone releases v2's own buffers."""
+    """Check that the later sharding_configs.release_gradients alone releases v2's buffers."""
     ranks(2).run(zero.lifetime, "sharding_configs")
 
 
 def test_sharding_v2_unused_param(ranks):
-    """Check a param with no grad keeps release on == off, and misplaced calls raise."""
+    """Check that a param with no grad keeps release on == off, and misplaced calls raise."""
     ranks(2).run(zero.unused_param)
 
 
 def test_sharding_scheduler_and_state(ranks):
-    """Check a torch LR scheduler drives the wrappers and state_dict resumes exactly."""
+    """Check that a torch LR scheduler drives the wrappers and state_dict resumes bitwise."""
     ranks(2).run(zero.sched_and_state)
 
 
 def test_sharding_main_grad(ranks):
-    """Check bf16 params with fp32 main grads and masters, v1 and v2, release on == off."""
+    """Check that v1 / v2 with main grads equal one process summing as the ranks do, bitwise."""
     ranks(2).run(zero.main_grad)
 
 
+# ---- sharding's own overlap and free_grads_in_comm: relgrad_checks/sharding_overlap.py
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharding_free_grads_in_comm(ranks, world):
-    """Check free_grads_in_comm (v1, v2, own overlap, acc 1 and 4) frees what a rank will not
-    read right after each bucket's collective, keeps what it reads, and equals release off."""
+    """Check that free_grads_in_comm frees the unread part at each collective, as release off."""
     ranks(world).run(sharding_overlap.free_in_comm)
 
 
 def test_pipeline_sharding_free_grads_in_comm(ranks):
-    """Check free_grads_in_comm on the pipeline's buffers (pp 2 x sharding 2, v1, v2, acc 1
-    and 4) frees the unread part right after each collective and equals release off."""
+    """Check that free_grads_in_comm does the same on the pipeline's buffers (pp 2 x sharding 2)."""
     ranks(4).run(sharding_overlap.free_in_comm_pipeline)
 
 
 def test_sharding_free_in_backward(ranks):
-    """Check free_grads_in_comm (own overlap, 6 buckets, v1 and v2, acc 1 and 4) frees each
-    bucket's unread part at a check-in after its collective finished, during backward while
-    later buckets still fill (never waiting there), with params bitwise equal to release off."""
+    """Check that free_grads_in_comm frees buckets during backward, never waiting, as off."""
     ranks(2).run(sharding_overlap.free_during_backward)
 
 
 def test_sharding_v2_end_of_backward_bytes(ranks):
-    """Check v2 on gloo holds at most G + one bucket (+ 256 KiB) more at the end of backward
-    than before the forward: no full-size collective temporary outlives its collective."""
+    """Check that v2 ends backward at most G + a bucket (+ 256 KiB) above the forward's start."""
     for grad_bytes, bucket, growth in ranks(2).run(sharding_overlap.end_of_backward_bytes):
         assert grad_bytes > 4_000_000 and len(growth) == 4, (grad_bytes, growth)
 
 
 def test_sharding_own_comm_overlap(ranks):
-    """Check sharding's own comm overlap (v1, v2, acc 1 and 4, release off and on) equals one
-    process, allocates once per bucket per step and copies nothing at step(), and raises on
-    every rank for an unused param or a wrong number of backward passes."""
+    """Check that sharding's own overlap equals one process, allocates once, refuses misuse."""
     ranks(2).run(sharding_overlap.own_overlap)
 
 
+# ---- checkpoints: relgrad_checks/checkpoints.py
+
 def test_sharding_checkpoint_across_world_sizes(ranks, tmp_path):
-    """Check that consolidated v1/v2 states resume across 1, 2, 3 ranks; wrong layouts raise."""
+    """Check that consolidated states resume across 1, 2, 3 ranks as one process; bad ones raise."""
     ranks(2).run(checkpoints.save_on_two, str(tmp_path))
     ranks(3).run(checkpoints.load_on_three, str(tmp_path))
     ranks(2).run(checkpoints.load_from_three, str(tmp_path))
@@ -381,145 +359,103 @@ def test_sharding_checkpoint_under_pipeline(ranks):
     ranks(4).run(checkpoints.pipeline_resume)
 
 
-# ---- the torch optimizer contract
+# ---- the torch optimizer contract: relgrad_checks/contract.py
 
-def test_contract_param_groups_live_after_load(ranks):
-    """Check an LR set (or scheduled) after load_state_dict reaches the step: MixPrecision,
-    v1, v2 (w = 0.5, not 0.0)."""
-    ranks(2).run(contract.groups_after_load)
-
-
-def test_contract_masters_reload_loaded_weights(ranks):
-    """Check bf16 weights loaded into the model after the optimizer was built are what trains
-    (4 -> 3.5), while untouched masters keep their fp32 bits."""
-    ranks(2).run(contract.masters_reload)
-
-
-def test_contract_add_param_group(ranks):
-    """Check v1 shards an added group (b = -1.0 on both ranks), MixPrecision gives it a
-    master, v2 raises naming the alternative."""
-    ranks(2).run(contract.add_param_group)
-
-
-def test_contract_optimizer_hooks(ranks):
-    """Check torch's step and state_dict / load_state_dict hooks run on the wrappers, and what
-    a pre-hook hands back is what loads (the lr it swaps in drives the next step)."""
-    ranks(2).run(contract.hooks)
-
-
-def test_contract_grad_on_some_ranks(ranks):
-    """Check a param left out of one rank's loss is stepped on the mean (a = -1.0, b = 0.5),
-    v1 and v2, instead of a hang."""
-    ranks(2).run(contract.grad_on_some_ranks, timeout=60)
-
-
-def test_contract_grad_on_some_ranks_beside_dp(ranks):
-    """Check the same over dp 2 x sharding 2 (a = -3.0, b = -1.25): the dp all-reduce agrees."""
-    ranks(4).run(contract.grad_on_some_ranks, 2, timeout=60)
-
-
-def test_contract_pipeline_dp_grad_on_some_ranks(ranks):
-    """Check pp 2 x dp 2's all-reduce in _optimizer_step with a grad on one replica only."""
-    ranks(4).run(contract.pipeline_dp_grad_on_some_ranks, timeout=60)
+# (scenario, ranks, args, timeout): each against values computed by hand or one process
+_CONTRACT = {
+    # an LR set (or scheduled) after load_state_dict reaches the step: w = 0.5, not 0.0
+    "param_groups_live_after_load": (contract.groups_after_load, 2, (), TIMEOUT),
+    # bf16 weights loaded after the optimizer was built train (4 -> 3.5); masters keep bits
+    "masters_reload_loaded_weights": (contract.masters_reload, 2, (), TIMEOUT),
+    # v1 shards an added group (b = -1.0), MixPrecision gives it a master, v2 raises
+    "add_param_group": (contract.add_param_group, 2, (), TIMEOUT),
+    # torch's step and state_dict hooks run; what a load pre-hook hands back is what loads
+    "optimizer_hooks": (contract.hooks, 2, (), TIMEOUT),
+    # a param left out of one rank's loss is stepped on the mean (a = -1.0, b = 0.5)
+    "grad_on_some_ranks": (contract.grad_on_some_ranks, 2, (), 60),
+    # the same over dp 2 x sharding 2 (a = -3.0, b = -1.25)
+    "grad_on_some_ranks_beside_dp": (contract.grad_on_some_ranks, 4, (2,), 60),
+    # pp 2 x dp 2's all-reduce in _optimizer_step, a grad on one replica only (w = 0.0)
+    "pipeline_dp_grad_on_some_ranks": (contract.pipeline_dp_grad_on_some_ranks, 4, (), 60),
+    # v2 trains as one process after model.to(float64).to(float32); left in float64 raises
+    "v2_model_moved": (contract.v2_model_moved, 2, (), TIMEOUT),
+    # frozen at build, then unfrozen: v1 trains it as one process, v2 raises
+    "unfrozen_param": (contract.unfrozen_param, 2, (), TIMEOUT),
+    # main-grad hooks on some layers only raise in v2, at build or at step()
+    "main_grad_on_some_layers": (contract.main_grad_some_layers, 2, (), TIMEOUT),
+    # zero_grad() between backward and step(), or load_state_dict(assign=True), raise alike
+    "zero_grad_before_step": (contract.zero_grad_before_step, 2, (), TIMEOUT),
+    # AdamW leaves a layer no rank uses untouched, as one process does; release on == off
+    "no_grad_not_stepped": (contract.no_grad_not_stepped, 2, (), TIMEOUT),
+    # torch.amp.GradScaler driving a wrapper raises on every rank, params unchanged
+    "grad_scaler": (contract.grad_scaler, 2, (), TIMEOUT),
+    # a torch optimizer with state is refused (Adagrad's initial state is none), a torch
+    # state_dict loads into MixPrecision, v2 refuses Adafactor and a subclass's own step
+    "stateful_template": (contract.stateful_template, 2, (), TIMEOUT),
+}
 
 
-def test_contract_v2_model_moved(ranks):
-    """Check v2 trains as one process after model.to(float64).to(float32), and raises on
-    every rank for a model left in float64."""
-    ranks(2).run(contract.v2_model_moved)
+@pytest.mark.parametrize("case", list(_CONTRACT))
+def test_contract(ranks, case):
+    """Check that the wrappers keep the torch optimizer contract of `case` (see _CONTRACT)."""
+    scenario, world, args, timeout = _CONTRACT[case]
+    ranks(world).run(scenario, *args, timeout=timeout)
 
 
-def test_contract_unfrozen_param(ranks):
-    """Check a layer frozen at build, then unfrozen: v1 trains it as one process, v2 raises."""
-    ranks(2).run(contract.unfrozen_param)
-
-
-def test_contract_main_grad_on_some_layers(ranks):
-    """Check main-grad hooks on some layers only raise in v2, at build or at step()."""
-    ranks(2).run(contract.main_grad_some_layers)
-
-
-def test_contract_zero_grad_before_step(ranks):
-    """Check zero_grad() between backward and step(), or params replaced by
-    load_state_dict(assign=True), raise alike in v1 and v2 on every rank."""
-    ranks(2).run(contract.zero_grad_before_step)
-
-
-def test_contract_no_grad_not_stepped(ranks):
-    """Check AdamW leaves a layer no rank uses untouched in v1 and v2, as one process does;
-    release on == off."""
-    ranks(2).run(contract.no_grad_not_stepped)
-
-
-def test_contract_grad_scaler(ranks):
-    """Check torch.amp.GradScaler driving a wrapper raises on every rank, params unchanged."""
-    ranks(2).run(contract.grad_scaler)
-
-
-def test_contract_stateful_template(ranks):
-    """Check a torch optimizer that already has state is refused when wrapped (on every rank;
-    Adagrad's initial state is not such state), a plain torch state_dict loads into
-    MixPrecisionOptimizer, v2 refuses Adafactor and a subclass with its own step."""
-    ranks(2).run(contract.stateful_template)
-
-
-# ---------------------------------------------------------------- pipeline.py
+# ----------------------------------------------- the pipeline (pipeline.py): relgrad_checks/pipe.py
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_pipeline_sharding_overlap(ranks, version):
-    """Check pp 2 x sharding 2 with sharding comm overlap equals one process; release on ==
-    off; one collective per bucket in the last backward; buffers freed after the step."""
+    """Check that pp 2 x sharding 2 with overlap equals one process, firing and freeing right."""
     ranks(4).run(pipe.pp_sharding, version, "adam" if version == 1 else "sgd")
 
 
 def test_pipeline_sharding_v2_main_grad(ranks):
-    """Check pp 2 x sharding 2, v2 with bf16 params and fp32 main grads, release on == off."""
+    """Check that pp 2 x sharding 2, v2 with main grads, equals one process bitwise."""
     ranks(4).run(pipe.pp_sharding, 2, "adam", True)
 
 
 def test_pipeline_sharding_side_flag_keeps_pipeline_buffers(ranks):
-    """Check the sharding-side release flag with the PP flag off leaves the pipeline's
-    buffers (built without release) in place under sharding comm overlap."""
+    """Check that the sharding-side flag alone leaves the pipeline's buffers in place."""
     ranks(4).run(pipe.sharding_flag_under_pp_overlap)
 
 
 def test_pipeline_sharding_v2_own_buffers(ranks):
-    """Check pp 2 x sharding 2, v2 without pipeline overlap (v2's own buffers, #58621)."""
+    """Check that pp 2 x sharding 2, v2 on its own buffers (#58621), equals one process."""
     ranks(4).run(pipe.pp_sharding, 2, "adam", False, False)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_pipeline_dp(ranks, overlap):
-    """Check pp 2 x dp 2 with and without dp comm overlap equals one process."""
+    """Check that pp 2 x dp 2 with and without dp comm overlap equals one process."""
     ranks(4).run(pipe.pp_dp, overlap)
 
 
 def test_pipeline_paramless_first_stage(ranks):
-    """Check a first stage without params builds no buffer and the grads still match."""
+    """Check that a paramless first stage builds no buffer and grads match one process."""
     ranks(4).run(pipe.paramless_first_stage)
 
 
 @pytest.mark.parametrize("delay_scale_loss", [False, True])
 def test_pipeline_pp_only(ranks, delay_scale_loss):
-    """Check pp 2 with SGD equals one process, with and without delay_scale_loss."""
+    """Check that pp 2 with SGD equals one process, with and without delay_scale_loss."""
     ranks(2).run(pipe.pp_only, delay_scale_loss)
 
 
 def test_pipeline_loss_scaled_once(ranks):
-    """Check 4 micro-batches of 1 sample and 1 of 4 give each stage one process's grads."""
+    """Check that 4 micro-batches of 1 sample and 1 of 4 give each stage one process's grads."""
     ranks(2).run(pipe.loss_scaled_once)
 
 
 def test_pipeline_eval_and_errors(ranks):
-    """Check eval_batch equals one process and bad batches / overlap configs raise."""
+    """Check that eval_batch equals one process and bad batches / overlap configs raise."""
     ranks(2).run(pipe.eval_and_errors)
 
 
-# ---------------------------------------------------------------- relgrad_extras/interleave.py
+# ---------------------- virtual stages (relgrad_extras/interleave.py): relgrad_checks/interleave.py
 
 def test_interleave_schedule_and_errors(ranks):
-    """Check the interleaved order (pp 2, 2 virtual stages, 4 and 8 micro-batches) equals the
-    hand-written table, and a bad virtual-stage setup raises on every rank without a hang."""
+    """Check that the interleaved order is the hand table and bad setups raise everywhere."""
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="num_virtual_pipeline_stages must be an int >= 1"):
             PpConfig(num_virtual_pipeline_stages=bad)
@@ -528,27 +464,24 @@ def test_interleave_schedule_and_errors(ranks):
 
 
 def test_interleave_pp_only(ranks):
-    """Check pp 2 x 2 virtual stages (also with delay_scale_loss) trains bitwise as plain 1F1B
-    and as one process, release on == off."""
+    """Check that pp 2 x 2 virtual stages trains bitwise as plain 1F1B and as one process."""
     ranks(2).run(interleave.pp_only)
 
 
 def test_interleave_sharding_and_dp(ranks):
-    """Check 2 virtual stages with sharding v1/v2 (overlap on/off, main grad) and dp overlap:
-    equal to plain 1F1B and one process; per-chunk buffers fire after the chunk's last
-    backward, are allocated once per step and freed after it."""
+    """Check that 2 virtual stages beside sharding and dp equal 1F1B, chunk buffers right."""
     ranks(4).run(interleave.with_sharding_and_dp)
 
 
 def test_interleave_tied_weights(ranks):
-    """Check a weight tied between chunk 0 of stage 0 and the last chunk of stage 1 (2 virtual
-    stages, sharding v1/v2, overlap on/off, clipped) stays equal and equals one process."""
+    """Check that a weight tied across chunks of two stages trains as one process."""
     ranks(4).run(interleave.tied_weights)
 
 
-# ---------------------------------------- relgrad_extras/grad_clip.py, shared_weights.py
+# ------------------------- clipping, tied weights (relgrad_extras/): relgrad_checks/clipping.py
 
 def test_clip_coefficient_and_fp32_sum():
+    """Check that the coefficient is Paddle's, bf16 squares sum in fp32, bad clip_norm raises."""
     """Check Paddle's coefficient (below the norm: clip/(clip+1e-6), not 1; above: torch's),
     fp32 sums of bf16 squares, need_clip / None grads skipped, and bad clip_norm raising."""
     g = torch.full((3,), 0.1)
@@ -581,34 +514,31 @@ def test_clip_coefficient_and_fp32_sum():
             ClipGradByGlobalNorm(bad)
 
 
+
 def test_clip_global_norm(ranks):
-    """Check pp 2 x sharding 2 (v1, v2, overlap on/off) and pp 2 x dp 2: the norm is the hand
-    value on all ranks and the update equals torch's clip_grad_norm_ on one process."""
+    """Check that the clipped norm and update over pp x sharding and pp x dp are the hand values."""
     ranks(4).run(clipping.clip_global_norm)
 
 
 def test_tied_weights_across_stages(ranks):
-    """Check a weight tied across stages, owned by different sharding ranks per stage (v1, v2,
-    overlap on/off; and pp x dp) is bitwise equal on all ranks and equals one process."""
+    """Check that a tie owned by different ranks per stage stays equal and trains as one process."""
     ranks(4).run(clipping.tied_weights)
 
 
 def test_second_schedule_call_refused_on_stages_without_the_tie(ranks):
-    """Check pp 3 with a first-last tie refuses a second schedule call on every stage, the
-    middle one (no copy) included, instead of leaving it in a receive."""
+    """Check that pp 3 with a first-last tie refuses a second schedule call on every stage."""
     ranks(3).run(clipping.second_call_refused_pp3, timeout=90)
 
 
 def test_accumulate_over_schedule_calls(ranks):
-    """Check two schedule calls per step give a = 0.6, 0.36, 0.216 without overlap, and with
-    sharding comm overlap raise on every rank without hanging."""
+    """Check that two schedule calls per step give the hand values, or raise with overlap."""
     ranks(4).run(clipping.accumulate_calls)
 
 
-# ---------------------------------------------------------------- relgrad.py
+# ---------------------------------------------------------------- config (relgrad.py)
 
 def test_config_errors():
-    """Check invalid strategies raise ValueError naming the rule; release defaults to off."""
+    """Check that invalid strategies raise ValueError naming the rule; release defaults off."""
     with pytest.raises(ValueError, match="pp_degree must be an int >= 1, got 0"):
         HybridStrategy(pp_degree=0)
     with pytest.raises(ValueError, match="dp_degree must be an int >= 1, got '2'"):
@@ -639,6 +569,8 @@ def test_config_errors():
     assert strategy.hybrid_configs["pp_configs"].release_gradients is True
 
 
+# ------------------------------------------ the demo (relgrad_demo/): relgrad_checks/demo_peers.py
+
 def _run_json(cmd):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT,
                           cwd=str(Path(__file__).parent))
@@ -649,13 +581,10 @@ def _run_json(cmd):
 # ---- the runs in processes of their own, started with the session
 
 class _Runs:
-    """Commands run from the repo root in processes of their own, one after another in the
-    order given, by a thread started with them. `specs`: [(name, command, timeout, merged)];
-    with `merged` a run's stderr goes to its stdout; `folder`: where they write files. A run
-    still going `timeout` seconds after it started is ended, with every process it started,
-    and fails the test that reads it."""
+    """Commands run one after another from the repo root by a thread; `specs`: [(name, command,
+    timeout, merged: stderr into stdout)]; a run past its timeout is ended, with all it started."""
 
-    def __init__(self, specs, folder):
+    def __init__(self, specs: list, folder: Path) -> None:
         self._specs, self._results, self._proc, self._stopped = specs, {}, None, False
         self.folder = folder
         self._done = {name: threading.Event() for name, *_ in specs}
@@ -693,7 +622,7 @@ class _Runs:
 
     def result(self, name):
         """(returncode, stdout, stderr (None if merged), the time.time() it ended) of run
-        `name`, once it has ended; fails the test if it ran past its timeout."""
+        `name`, once ended; fails the test if it ran past its timeout."""
         self._done[name].wait()
         timed_out, code, out, err, ended = self._results[name]
         spec = next(spec for spec in self._specs if spec[0] == name)
@@ -701,8 +630,7 @@ class _Runs:
         return code, out, err, ended
 
     def json(self, name):
-        """The one JSON object run `name` printed on stdout; fails the test with the run's
-        stderr unless it exited 0."""
+        """The one JSON object run `name` printed on stdout; fails with its stderr unless 0."""
         code, out, err, _ = self.result(name)
         assert code == 0, err
         return json.loads(out)  # exactly one JSON object on stdout
@@ -720,8 +648,8 @@ _MAIN_JOB_FILES = ("trace.json", "step.png")
 
 
 def _run_specs(out):
-    """[(fixture name, command, timeout, merged)]: each run, in the order the tests read them,
-    for the fixture of that name; the main job writes its _MAIN_JOB_FILES in `out`."""
+    """[(fixture name, command, timeout, merged)] in the order the tests read them; the main
+    job writes its _MAIN_JOB_FILES in `out`."""
     trace, png = (str(out / name) for name in _MAIN_JOB_FILES)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     return [
@@ -737,13 +665,8 @@ def _run_specs(out):
 
 @pytest.fixture(scope="session", autouse=True)
 def started_runs(request, tmp_path_factory):
-    """The `_Runs` of the runs in processes of their own that the selected tests read
-    (through the fixture of the run's name), started as the session starts. Each run spends
-    seconds importing torch in a process or three, one core each, before it computes: run
-    from the start, one after another, that goes on beside the tests before the one that
-    reads the run (much of the time they leave a core idle), and that test waits only for
-    what is left of it. The recipes' launcher process (the test_recipe_* tests,
-    relgrad_checks/recipes.py) starts here too, for its torch import."""
+    """The `_Runs` the selected tests read (by the fixture of the run's name), and the recipes'
+    launcher, started with the session: their torch imports run beside the first tests."""
     items = request.session.items
     wanted = {name for item in items for name in item.fixturenames}
     if any(item.name.startswith("test_recipe_") for item in items):
@@ -791,19 +714,14 @@ def _check_schema(result, world, steps, plot=False):
 
 @pytest.fixture(scope="session")
 def main_job(started_runs):
-    """The main job run once, in its default layout (pp 2 x sharding 2, 4 ranks) on a smaller
-    LM, for test_main_job_json and test_main_job_plot: (the --json result, the --trace file,
-    the --plot file). 6 steps: an idle median over steps 2-6, an eval pass after step 5 and a
-    falling loss. Started with the session (`started_runs`). If the run fails, each test that
-    reads it fails with the run's stderr."""
+    """The main job (pp 2 x sharding 2, a smaller LM, 6 steps, an eval after step 5): (--json
+    result, --trace file, --plot file); a failed run fails each test reading it."""
     return (started_runs.json("main_job"),
             *(started_runs.folder / name for name in _MAIN_JOB_FILES))
 
 
 def test_main_job_json(main_job):
-    """Check the demo end to end: --json schema, off and on bitwise equal, 0 idle grad bytes
-    with release on and the whole buffer with it off (allocator agreeing with our count), the
-    buffer gone between steps only, the effective config, and the --trace file."""
+    """Check that the main job's --json, config, bytes and --trace show release freeing G."""
     result, trace, _ = main_job
     _check_schema(result, 4, 6, plot=True)
     off, on = result["modes"]["off"], result["modes"]["on"]
@@ -816,22 +734,19 @@ def test_main_job_json(main_job):
     assert all(n > 100_000 for n in off["idle_grad_bytes_counted"])
     for counted, freed in zip(off["idle_grad_bytes_counted"], on["idle_grad_bytes_allocator"]):
         assert abs(freed - counted) <= 0.05 * counted, (freed, counted)
-    # the eval pass after step 5 (--eval-every 5): its peak is lower by the released buffer,
-    # at least three quarters of it (one-sided: the CPU peak is sampled every 0.5 ms over a
-    # short pass, and a sample that misses the off run's top only widens the gap)
+    # the eval pass after step 5: its peak is lower by at least 3/4 of the released buffer
+    # (one-sided: a 0.5 ms sample missing the off run's top only widens the gap)
     assert len(on["eval_peak_lower_bytes"]) == 4
     for counted, lower in zip(off["idle_grad_bytes_counted"], on["eval_peak_lower_bytes"]):
         assert lower >= 0.75 * counted, (lower, counted)
-    # Each run is charged for its own bytes only: its params (P bytes, = the buffer bytes
-    # counted with release off), AdamW's two states for the half it owns (~P) and, with
-    # release off, the buffer (P). Charging one run for the other's would show ~2P more.
+    # each run is charged its own bytes only: params (P, the buffer's bytes), AdamW's states of
+    # its half (~P) and, release off, the buffer (P); the other run's would show ~2P more
     for counted, held_off, held_on in zip(off["idle_grad_bytes_counted"],
                                           off["idle_bytes_allocator"], on["idle_bytes_allocator"]):
         assert 2.6 * counted < held_off < 3.5 * counted, (held_off, counted)
         assert 1.6 * counted < held_on < 2.5 * counted, (held_on, counted)
     assert off["step_time_s"] > 0 and on["step_time_s"] > 0
-    # effective config: sharding overlap ran, so every rank holds pipeline REDUCE buffers whose
-    # bytes are what our count finds behind the grads with release off
+    # sharding overlap ran: every rank holds pipeline REDUCE buffers of the bytes counted off
     config = result["config"]
     assert config["pp_configs"]["sharding_comm_overlap"] is True
     assert config["pp_configs"]["dp_comm_overlap"] is False
@@ -871,11 +786,7 @@ def _check_trace(trace, world, micro_batches):
 
 
 def test_main_job_plot(main_job):
-    """Check that --plot writes a picture that decodes, one panel per stage (its first rank),
-    whose lines are the run's own samples (its --json step_trace) on the phase axis, with the
-    phase marks on their lines at the same positions for release off and on, and whose band
-    shows the fused grad buffer flat with release off and 0 -> buffer -> 0 with release on,
-    held only from the first backward to the release (the main job's run, shared)."""
+    """Check that --plot's panels are the run's samples and show the buffer's life per run."""
     from matplotlib.image import imread
     from relgrad_demo.plot import BOUNDARIES, phase_x
     result, _, png = main_job
@@ -915,15 +826,12 @@ def test_main_job_plot(main_job):
 
 @pytest.fixture(scope="session")
 def torchrun_job(started_runs):
-    """The --json result of `relgrad.py --pp 2 --sharding 1` (3 steps) run by torchrun on 2
-    processes, started with the session (`started_runs`)."""
+    """The --json result of `relgrad.py --pp 2 --sharding 1` (3 steps) under torchrun on 2."""
     return started_runs.json("torchrun_job")
 
 
 def test_torchrun_json(torchrun_job):
-    """Check `relgrad.py` joins a torchrun job (the several-machines path) and reports the
-    effective config: pp 2 without sharding or dp has no overlap and no fused buffers; release
-    on and off train to the same losses and params, and off holds an fp32 grad per param."""
+    """Check that relgrad.py joins a torchrun job, reports its config, and trains off == on."""
     result = torchrun_job
     _check_schema(result, 2, 3)
     off, on = result["modes"]["off"], result["modes"]["on"]
@@ -953,8 +861,7 @@ def test_torchrun_json(torchrun_job):
 
 
 def test_cli_help_and_effective_strategy(capsys):
-    """Check --help describes the command with every default, and the strategy that runs has
-    overlap only where the layout allows it (--pp 1: none), whatever --overlap says."""
+    """Check that --help gives every default and overlap runs only where the layout allows."""
     from sharding import _comm_buffer_bytes
     from relgrad_demo.job import make_strategy
     with pytest.raises(SystemExit):
@@ -994,9 +901,7 @@ def test_cli_help_and_effective_strategy(capsys):
 
 
 def test_peers_agree(ranks):
-    """Check --peers' systems on one tiny LM: DDP + ZeRO bitwise equal to sharding v2, FSDP2
-    within 1e-6, v2's release returning its buffer's bytes to the allocator, and v2 with
-    release holding that buffer less between steps; and the --peers --json schema."""
+    """Check that --peers' DDP + ZeRO and FSDP2 agree with v2 and v2's release frees its buffer."""
     from relgrad_demo import peers
     results = ranks(2).run(demo_peers.peers_agree)
     summary = peers.summarize(results, demo_peers.OPTS)
@@ -1011,12 +916,9 @@ def test_peers_agree(ranks):
     assert all(set(v) == keys for v in systems.values())
     assert systems["v2 release off"]["step_time_ratio"] is None
     assert systems["DDP + ZeRO"]["bitwise_equal"] is True
-    # Between steps (the demo's figure: median after step 1, per rank) "off" holds the buffer
-    # that "on" frees at each release: its bytes, less 16 KiB. No upper bound here: this
-    # figure, read for one run while the other runs live in the same process, drifts by up to
-    # ~15 KiB (7 KiB below seen once): others' allocations, and the threads' malloc caches,
-    # land in its window. What the release returns is bounded exactly, around the release
-    # (demo_peers.py); 16 KiB is a fifth of the 82 KiB buffer, so a kept buffer still fails.
+    # Between steps "off" holds the buffer "on" frees: its bytes, less 16 KiB (the figure, read
+    # while the other runs live in the process, drifts by up to ~15 KiB; demo_peers.py bounds
+    # the release itself exactly); 16 KiB is a fifth of the 82 KiB buffer: a kept one fails.
     off, on = (systems[n]["idle_bytes_allocator"] for n in ("v2 release off", "v2 release on"))
     assert len(off) == len(on) == len(results) == 2
     for rank, result in enumerate(results):
@@ -1039,8 +941,8 @@ def test_peers_dp_agree(ranks):
     # 2 ranks in fp32: DDP's (grad * 1/2, then sum) and the buffer's (sum, then * 1/2) agree
     assert systems["recipe (a) release off"]["bitwise_equal"] is True
     assert systems["recipe (a) release on"]["bitwise_equal"] is True
-    # Between steps "off" keeps the buffer (every param's fp32 grad, padded) that "on" frees:
-    # at least the grad bytes, less test_peers_agree's 16 KiB for the figure's drift.
+    # between steps "off" keeps the buffer (every fp32 grad, padded) that "on" frees: at least
+    # the grad bytes, less test_peers_agree's 16 KiB for the figure's drift
     grad_bytes = summary["config"]["grad_bytes"]
     off, on = (systems[n]["idle_bytes_allocator"] for n in ("recipe (a) release off",
                                                             "recipe (a) release on"))

@@ -11,20 +11,18 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from comm_buffer import global_rank
-from relgrad import register_main_grad_hooks
 from pipeline import PipelineParallel
-from relgrad import HybridCommunicateGroup
-from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_bitwise,
-                                   _assert_close_each, _assert_moved, _data, _main_grad_oracle,
-                                   _mlp, _mse, _pipe_layers, _strategy)
+from relgrad import HybridCommunicateGroup, register_main_grad_hooks
+from sharding import MixPrecisionOptimizer
+from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_bitwise, _assert_close_each,
+                                   _assert_moved, _data, _main_grad_oracle, _mlp, _mse, _params,
+                                   _pipe_layers, _replica, _shard, _sharding_groups, _strategy,
+                                   _train)
 from relgrad_checks.pipe import _pipe_oracle, _stage_slice
 
 SIZES, BATCH = [20, 24, 4], 12
-VERSIONS = {1: DygraphShardingOptimizer, 2: DygraphShardingOptimizerV2}
 
 
 def _model(bf16=False):
@@ -35,32 +33,17 @@ def _model(bf16=False):
     return model
 
 
-def _train(model, opt, steps, replicas=1, replica=0):
-    """Steps `steps` (their indices pick the data) on this replica's part of the batch."""
-    dtype = next(model.parameters()).dtype
-    for step in steps:
-        x, y = (t.chunk(replicas)[replica].to(dtype) for t in _data(step, BATCH, 20, 4))
-        F.mse_loss(model(x).float(), y.float()).backward()
-        opt.step()
-        opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def _topology(sharding, dp=1):
-    """The hcg and strategy (Adam's run, release on) of sharding x dp on this pool."""
-    strategy = _strategy(sharding=sharding, dp=dp, release=True)
-    return HybridCommunicateGroup(strategy), strategy
-
-
 def _sharded(version, topology, bf16=False):
-    """A model and its v1 / v2 optimizer on this rank; (replicas, this replica's index)."""
+    """A model, its v1 / v2 optimizer on `topology` (hcg, strategy), (replicas, replica)."""
     hcg, strategy = topology
     model = _model(bf16)
-    opt = VERSIONS[version](OPTIMIZERS["adam"](model.parameters()),
-                            hcg, _for(VERSIONS[version], strategy))
-    sharding = strategy.sharding_degree
-    replica = hcg.get_data_parallel_rank() * sharding + hcg.get_sharding_parallel_rank()
-    return model, opt, (strategy.dp_degree * sharding, replica)
+    opt = _shard(version, OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
+    return model, opt, _replica(hcg, strategy)
+
+
+def _steps(model, opt, steps, part=(1, 0)):
+    """Train `steps` (their indices pick the data) on part `part` of the batch: the params."""
+    return _train(model, opt, steps, BATCH, part)[-1]
 
 
 def _one_process(steps, bf16=False):
@@ -69,15 +52,7 @@ def _one_process(steps, bf16=False):
     opt = OPTIMIZERS["adam"](model.parameters())
     if bf16:
         opt = MixPrecisionOptimizer(opt)
-    return model, opt, _train(model, opt, range(steps))
-
-
-def _close(got, want):
-    _assert_close_each(got, want, rtol=1e-5, atol=1e-6)
-
-
-def _equal(got, want):
-    _assert_bitwise(got, want)
+    return model, opt, _steps(model, opt, range(steps))
 
 
 def _same_dict(a, b):
@@ -93,21 +68,19 @@ def _same_dict(a, b):
 
 
 def _resume(version, topology, saved):
-    """Fresh model and optimizer, load `saved` (model params + optimizer dict), check that
-    loading allocated no grad and restored lr and Adam's step count, train steps 2 and 3."""
-    model, opt, (replicas, replica) = _sharded(version, topology)
+    """A fresh pair loads `saved` (lr, step 2, no grads) and trains steps 2, 3: the params."""
+    model, opt, part = _sharded(version, topology)
     model.load_state_dict(saved["model"])
     opt.param_groups[0]["lr"] = 0.5  # the saved hyper-parameters win, as in torch
     opt.load_state_dict(saved["optim"])
     assert opt.param_groups[0]["lr"] == 1e-3
     _assert_no_grads(model, opt)
     assert opt.state and all(float(s["step"]) == 2 for s in opt.state.values())
-    return _train(model, opt, range(2, 4), replicas, replica)
+    return _steps(model, opt, range(2, 4), part)
 
 
 def _assert_no_grads(model, opt):
-    slices = list(getattr(opt, "_slice_params", {}).values())
-    params = list(model.parameters()) + slices
+    params = list(model.parameters()) + list(getattr(opt, "_slice_params", {}).values())
     assert len(params) > 0
     for p in params:
         assert p.grad is None and getattr(p, "main_grad", None) is None
@@ -123,25 +96,21 @@ def _save_on_rank0(obj, path):
 
 
 def _bf16_reference(steps):
-    """bf16 with fp32 main grads and masters: one process summing the two replicas' main
-    grads as 2 sharding ranks do (`_main_grad_oracle`); its MixPrecisionOptimizer after
-    `steps` steps. Its masters all moved from the start."""
+    """bf16 + main grads: one process summing as 2 ranks do: its MixPrecisionOptimizer."""
     def batches(step):
         x, y = (t.to(torch.bfloat16).chunk(2) for t in _data(step, BATCH, 20, 4))
         return [[(x[r], y[r])] for r in range(2)]
 
-    _, traj, opt = _main_grad_oracle(lambda: _mlp(SIZES, seed=5).to(torch.bfloat16), "adam",
-                                     steps, batches)
-    _assert_moved([opt.state_dict()["masters"]],
-                  [p.detach().float() for p in _mlp(SIZES, seed=5).to(torch.bfloat16)
-                   .parameters()])
+    def make():
+        return _mlp(SIZES, seed=5).to(torch.bfloat16)
+
+    _, _, opt = _main_grad_oracle(make, "adam", steps, batches)
+    _assert_moved([opt.state_dict()["masters"]], [p.detach().float() for p in make().parameters()])
     return opt
 
 
 def _check_consolidated(full, oracle_opt, bf16):
-    """The consolidated dict is torch's one-process format, equal to the oracle's state:
-    fp32 close to one process on the whole batch; bf16 bitwise equal (state and fp32
-    masters) to one process summing as the ranks do (`_bf16_reference`)."""
+    """The consolidated dict: torch's format, the oracle's state (fp32 close, bf16 bitwise)."""
     want = oracle_opt.state_dict()
     want = want["inner"] if bf16 else want  # MixPrecision: the inner torch optimizer's
     assert sorted(full["state"]) == sorted(want["state"]) == [0, 1, 2, 3]
@@ -157,117 +126,103 @@ def _check_consolidated(full, oracle_opt, bf16):
                 # atol on the entry's own scale: exp_avg_sq is ~1e-5 here, a fixed 1e-6 is 10%
                 torch.testing.assert_close(full["state"][i][name], v, rtol=1e-4,
                                            atol=1e-5 * float(v.abs().max()))
-    if bf16:
-        masters = oracle_opt.state_dict()["masters"]
-        assert sorted(full["master_weights"]) == [0, 1, 2, 3] and len(masters) == 4
-        for i, m in enumerate(masters):
-            assert full["master_weights"][i].dtype == torch.float32
-            assert torch.equal(full["master_weights"][i], m), i
-    else:
+    if not bf16:
         assert "master_weights" not in full
+        return
+    masters = oracle_opt.state_dict()["masters"]
+    assert sorted(full["master_weights"]) == [0, 1, 2, 3] and len(masters) == 4
+    for i, m in enumerate(masters):
+        assert full["master_weights"][i].dtype == torch.float32
+        assert torch.equal(full["master_weights"][i], m), i
 
 
-def save_on_two(rank, world, folder):
-    """2 ranks: 2 steps, consolidate and save; resume on the same layout (bitwise), on
-    sharding degree 1 (dp 2) and in a plain torch Adam (allclose to one process); a per-rank
-    state of another rank fails on every rank; 1 -> 2: a plain torch state resumes on 2."""
+def save_on_two(rank: int, world: int, folder: str) -> None:
+    """2 ranks: save after 2 steps, resume on 2 (bitwise), 1, torch's Adam (close); misuse."""
     oracle = _one_process(4)[2]
-    two, one_beside_dp = _topology(2), _topology(1, dp=2)
+    two, one_beside_dp = _sharding_groups(2, release=True), _sharding_groups(1, 2, True)
     for version in (1, 2):
         for bf16 in (False, True):
-            model, opt, (replicas, replica) = _sharded(version, two, bf16=bf16)
-            _train(model, opt, range(2), replicas, replica)
+            model, opt, part = _sharded(version, two, bf16=bf16)
+            _steps(model, opt, range(2), part)
             saved = {"model": copy.deepcopy(model.state_dict()),
                      "optim": opt.consolidate_state_dict(to=0)}
             own = copy.deepcopy(opt.state_dict())
             if not bf16:  # for load_on_three
                 torch.save(own, os.path.join(folder, f"own_v{version}_{rank}.pt"))
             if rank == 0:
-                _check_consolidated(saved["optim"], _bf16_reference(2) if bf16
-                                    else _one_process(2)[1], bf16)
+                reference = _bf16_reference(2) if bf16 else _one_process(2)[1]
+                _check_consolidated(saved["optim"], reference, bf16)
             else:
                 assert saved["optim"] is None
             path = os.path.join(folder, f"two_v{version}{'_bf16' * bf16}.pt")
             _save_on_rank0(saved, path)
-            want = _train(model, opt, range(2, 4), replicas, replica)  # no break
+            want = _steps(model, opt, range(2, 4), part)  # no break
             saved = torch.load(path)
             # the same layout: consolidated and per-rank states resume bitwise
-            model2, opt2, _ = _sharded(version, two, bf16=bf16)
-            model2.load_state_dict(saved["model"])
-            opt2.load_state_dict(saved["optim"])
-            _assert_no_grads(model2, opt2)
-            _equal(_train(model2, opt2, range(2, 4), replicas, replica), want)
-            model2, opt2, _ = _sharded(version, two, bf16=bf16)
-            model2.load_state_dict(saved["model"])
-            opt2.load_state_dict(own)
-            _equal(_train(model2, opt2, range(2, 4), replicas, replica), want)
-            if bf16:
-                continue
-            # another rank's per-rank state on rank 0 only: every rank raises, naming the fix
-            others = [None] * world
-            dist.all_gather_object(others, own)
-            _, opt3, _ = _sharded(version, two)
-            with pytest.raises(ValueError, match=r"(?s)per-rank state_dict\(\) loads only.*"
-                               r"sharding_rank: saved 1, here 0.*consolidate_state_dict"):
-                opt3.load_state_dict(others[1 - rank] if rank == 0 else own)
-            with pytest.raises(ValueError, match="got None: consolidate_state_dict"):
-                opt3.load_state_dict(saved["optim"] if rank == 0 else None)
-            # 2 -> sharding degree 1 (beside dp 2), and 2 -> a plain torch Adam, one process
-            _close(_resume(version, one_beside_dp, saved), oracle)
-            model4 = _model()
-            model4.load_state_dict(saved["model"])
-            adam = OPTIMIZERS["adam"](model4.parameters())
-            adam.load_state_dict(saved["optim"])
-            _close(_train(model4, adam, range(2, 4)), oracle)
-            # 1 -> 2: a plain torch Adam's state_dict resumes on 2 ranks
-            model5, adam5, _ = _one_process(2)
-            state = {"model": model5.state_dict(), "optim": adam5.state_dict()}
-            _close(_resume(version, two, state), oracle)
-    return "ok"
+            for optim in (saved["optim"], own):
+                model2, opt2, _ = _sharded(version, two, bf16=bf16)
+                model2.load_state_dict(saved["model"])
+                opt2.load_state_dict(optim)
+                _assert_no_grads(model2, opt2)
+                _assert_bitwise(_steps(model2, opt2, range(2, 4), part), want)
+            if not bf16:
+                _check_other_layouts(rank, world, version, two, one_beside_dp, saved, own, oracle)
 
 
-def load_on_three(rank, world, folder):
-    """3 ranks: the 2-rank checkpoints resume (allclose to one process) and re-consolidate
-    bitwise, masters included; a 2-rank per-rank state fails on every rank; then 2 steps on 3
-    ranks are consolidated and saved for `load_from_three`."""
-    oracle, three = _one_process(4)[2], _topology(3)
+def _check_other_layouts(rank, world, version, two, one_beside_dp, saved, own, oracle):
+    """Wrong per-rank states raise; sharding 1, torch's Adam, 1 -> 2 resume (close)."""
+    others = [None] * world
+    dist.all_gather_object(others, own)
+    _, opt3, _ = _sharded(version, two)
+    with pytest.raises(ValueError, match=r"(?s)per-rank state_dict\(\) loads only.*"
+                       r"sharding_rank: saved 1, here 0.*consolidate_state_dict"):
+        opt3.load_state_dict(others[1 - rank] if rank == 0 else own)
+    with pytest.raises(ValueError, match="got None: consolidate_state_dict"):
+        opt3.load_state_dict(saved["optim"] if rank == 0 else None)
+    _assert_close_each(_resume(version, one_beside_dp, saved), oracle)
+    model4 = _model()
+    model4.load_state_dict(saved["model"])
+    adam = OPTIMIZERS["adam"](model4.parameters())
+    adam.load_state_dict(saved["optim"])
+    _assert_close_each(_steps(model4, adam, range(2, 4)), oracle)
+    model5, adam5, _ = _one_process(2)
+    state = {"model": model5.state_dict(), "optim": adam5.state_dict()}
+    _assert_close_each(_resume(version, two, state), oracle)
+
+
+def load_on_three(rank: int, world: int, folder: str) -> None:
+    """3 ranks: 2-rank checkpoints resume and re-consolidate bitwise; save for 3 -> 2."""
+    oracle, three = _one_process(4)[2], _sharding_groups(3, release=True)
     for version in (1, 2):
         saved = torch.load(os.path.join(folder, f"two_v{version}.pt"))
-        _close(_resume(version, three, saved), oracle)
+        _assert_close_each(_resume(version, three, saved), oracle)
         for bf16 in (False, True):
-            path = os.path.join(folder, f"two_v{version}{'_bf16' * bf16}.pt")
-            saved = torch.load(path)
+            saved = torch.load(os.path.join(folder, f"two_v{version}{'_bf16' * bf16}.pt"))
             _, opt, _ = _sharded(version, three, bf16=bf16)
             opt.load_state_dict(saved["optim"])
             again = opt.consolidate_state_dict(to=2)
             assert (again is None) == (rank != 2)
             assert again is None or _same_dict(again, saved["optim"])
-        model, opt, (replicas, replica) = _sharded(version, three)
+        model, opt, part = _sharded(version, three)
         with pytest.raises(ValueError, match=r"(?s)loads only into the layout.*"
                            r"sharding_degree: saved 2, here 3.*consolidate_state_dict"):
             opt.load_state_dict(torch.load(os.path.join(folder, f"own_v{version}_{rank % 2}.pt")))
-        _train(model, opt, range(2), replicas, replica)
+        _steps(model, opt, range(2), part)
         saved = {"model": copy.deepcopy(model.state_dict()),
                  "optim": opt.consolidate_state_dict(to=0)}
         _save_on_rank0(saved, os.path.join(folder, f"three_v{version}.pt"))
-    return "ok"
 
 
-def load_from_three(rank, world, folder):
+def load_from_three(rank: int, world: int, folder: str) -> None:
     """2 ranks: the 3-rank checkpoints resume (allclose to one process)."""
-    oracle, two = _one_process(4)[2], _topology(2)
+    oracle, two = _one_process(4)[2], _sharding_groups(2, release=True)
     for version in (1, 2):
         saved = torch.load(os.path.join(folder, f"three_v{version}.pt"))
-        _close(_resume(version, two, saved), oracle)
-    return "ok"
+        _assert_close_each(_resume(version, two, saved), oracle)
 
 
-def pipeline_resume(rank, world):
-    """pp 2 x sharding 2, sharding comm overlap: each stage consolidates after 2 batches (Adam
-    at step 2 for every param); a fresh pipeline loads it before its first train_batch (v2
-    cuts it once the pipeline has built its buffers: its state is empty until then) and is at
-    step 3 after one batch; its 2 more batches equal the uninterrupted run bitwise and one
-    process training 4 steps on the whole batch."""
+def pipeline_resume(rank: int, world: int) -> None:
+    """pp 2 x sharding 2: a stage's consolidated state resumes as if without a break."""
     _, oracle = _pipe_oracle("adam", 4, 8)
     for version in (1, 2):
         strategy = _strategy(pp=2, sharding=2, acc=2, release=True, split_param=version == 2,
@@ -277,16 +232,14 @@ def pipeline_resume(rank, world):
 
         def build():
             model = PipelineParallel(_pipe_layers(), hcg, strategy, _mse)
-            opt = VERSIONS[version](OPTIMIZERS["adam"](model.parameters()),
-                                    hcg, _for(VERSIONS[version], strategy))
-            return model, opt
+            return model, _shard(version, OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
 
         def train(model, opt, steps):
             for step in steps:
                 x, y = (t.chunk(2)[hcg.get_sharding_parallel_rank()]
                         for t in _data(step, 8, PIPE_SIZES[0], PIPE_SIZES[-1]))
                 model.train_batch((x, y), opt)
-            return [p.detach().clone() for p in model.parameters()]
+            return _params(model)
 
         def steps_of(state):  # Adam's step count of every param this rank holds state for
             assert len(state) > 0, "no optimizer state"
@@ -309,27 +262,24 @@ def pipeline_resume(rank, world):
         train(model, opt, range(2, 3))
         assert steps_of(opt.state) == {3.0}
         got = train(model, opt, range(3, 4))
-        _equal(got, want)
-        _close(got, oracle[-1][_stage_slice(model, hcg)])
-    return "ok"
+        _assert_bitwise(got, want)
+        _assert_close_each(got, oracle[-1][_stage_slice(model, hcg)])
 
 
-def beside_dp(rank, world):
-    """dp 2 x sharding 2: rank `to` of each dp replica gets the consolidated state; it resumes
-    on the same layout bitwise and on sharding 4 allclose to one process; a per-rank state of
-    another rank on one dp replica only raises on all 4 ranks."""
-    dp_two, four = _topology(2, dp=2), _topology(4)
+def beside_dp(rank: int, world: int) -> None:
+    """dp 2 x sharding 2: resume on 2 x 2 (bitwise), on sharding 4 (close); misuse raises."""
+    dp_two, four = _sharding_groups(2, 2, True), _sharding_groups(4, release=True)
     oracle = _one_process(4)[2]
     for version in (1, 2):
-        model, opt, (replicas, replica) = _sharded(version, dp_two)
-        _train(model, opt, range(2), replicas, replica)
+        model, opt, part = _sharded(version, dp_two)
+        _steps(model, opt, range(2), part)
         full = opt.consolidate_state_dict(to=1)
         assert (full is None) == (rank % 2 != 1)
         saved = [{"model": copy.deepcopy(model.state_dict()), "optim": full}]
         dist.broadcast_object_list(saved, src=1)  # "the file" of global rank 1
-        want = _train(model, opt, range(2, 4), replicas, replica)
-        _equal(_resume(version, dp_two, saved[0]), want)
-        _close(_resume(version, four, saved[0]), oracle)
+        want = _steps(model, opt, range(2, 4), part)
+        _assert_bitwise(_resume(version, dp_two, saved[0]), want)
+        _assert_close_each(_resume(version, four, saved[0]), oracle)
         own = opt.state_dict()
         others = [None] * world
         dist.all_gather_object(others, own)
@@ -337,4 +287,3 @@ def beside_dp(rank, world):
         with pytest.raises(ValueError, match=r"seen on 1 rank\(s\): global rank 2: .*"
                            r"sharding_rank: saved 1, here 0"):
             opt2.load_state_dict(others[3] if rank == 2 else own)
-    return "ok"

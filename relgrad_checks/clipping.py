@@ -1,5 +1,5 @@
-"""Rank-side checks of grad_clip/ and shared_weights/: global-norm clipping over pp x sharding
-(and pp x dp), weights tied across stages, and accumulating over several schedule calls."""
+"""Rank-side checks of grad_clip and shared_weights (relgrad_extras/): global-norm clipping over
+pp x sharding (and pp x dp), weights tied across stages, accumulating over schedule calls."""
 import math
 
 import pytest
@@ -10,30 +10,20 @@ from torch import nn
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 from pipeline import PipelineParallel
 from relgrad import HybridCommunicateGroup
-from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from relgrad_checks.common import (_for, _assert_bitwise, _assert_close_each, _data, _mse,
-                                   _same_on_all, _strategy)
-
-_VERSIONS = {1: DygraphShardingOptimizer, 2: DygraphShardingOptimizerV2}
+from sharding import DygraphShardingOptimizer
+from relgrad_checks.common import (OPTIMIZERS, _assert_bitwise, _assert_close_each, _data, _mse,
+                                   _params, _same_on_all, _shard, _strategy)
 
 
 class Scale(nn.Module):
     """`x * w` with one scalar weight: a stage whose grad is computed by hand."""
 
-    def __init__(self, value):
+    def __init__(self, value: float) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.tensor([float(value)]))
 
     def forward(self, x):
         return x * self.w
-
-
-def _pp2_strategy(version, overlap, release):
-    """pp 2 x sharding 2 with sharding v`version`, or (version None) pp 2 x dp 2; acc 2."""
-    if version:
-        return _strategy(pp=2, sharding=2, acc=2, release=release,
-                         sharding_comm_overlap=overlap, split_param=version == 2)
-    return _strategy(dp=2, pp=2, acc=2, release=release, dp_comm_overlap=overlap)
 
 
 def _mean_loss(out, y):
@@ -45,12 +35,51 @@ def _variants(versions=(1, 2)):
             for release in (False, True)]
 
 
+def _pp2(version, overlap, release, layers, loss, clip, **pipe_kwargs):
+    """(strategy, hcg, pipeline, clip) of pp 2 x sharding 2 (`version`) or pp 2 x dp 2."""
+    if version:
+        strategy = _strategy(pp=2, sharding=2, acc=2, release=release,
+                             sharding_comm_overlap=overlap, split_param=version == 2)
+    else:
+        strategy = _strategy(dp=2, pp=2, acc=2, release=release, dp_comm_overlap=overlap)
+    hcg = HybridCommunicateGroup(strategy)
+    model = PipelineParallel(layers, hcg, strategy, loss, **pipe_kwargs)
+    return strategy, hcg, model, ClipGradByGlobalNorm(clip)
+
+
+def _train_batch(model, data, opt, version, grad_clip):
+    """train_batch clipped by sharding's step (`version`) or, without sharding, by the pipeline."""
+    if version:
+        return model.train_batch(data, opt)
+    return model.train_batch(data, opt, grad_clip=grad_clip)
+
+
+def _assert_release_keeps_bits(runs):
+    """Each run with release on (last key field) bitwise equal to its run with release off."""
+    for key, values in runs.items():
+        off = key[:-1] + (False,)
+        if key[-1] and off in runs:
+            _assert_bitwise(values, runs[off], key)
+
+
+def _clipped_oracle(model, steps, clip, data_of, opt=None, loss=_mse):
+    """One process, torch's clip_grad_norm_ before each step: (norms, params)."""
+    opt = OPTIMIZERS["sgd"](model.parameters()) if opt is None else opt
+    norms, traj = [], []
+    for step in range(steps):
+        x, y = data_of(step)
+        loss(model(x), y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        opt.step()
+        opt.zero_grad()
+        traj.append(_params(model))
+    return norms, traj
+
+
 # ---------------------------------------------------------------- clipping
 
 def _hand_clip(steps, clip, lr, frozen=False, a=3.0, b=4.0):
-    """Norms and (a, b) after each step of `z = b * a * x`, loss mean(z), batch mean 3(s+1),
-    SGD, Paddle's coefficient (`frozen`: a is not trained): in Python floats, independent of
-    torch and the library."""
+    """Norms and (a, b) per step of `z = b * a * x`, Paddle's coefficient, in floats."""
     norms, params = [], []
     for step in range(steps):
         x_mean = 3.0 * (step + 1)
@@ -64,93 +93,81 @@ def _hand_clip(steps, clip, lr, frozen=False, a=3.0, b=4.0):
 
 
 def _scalar_batch(step):
-    # whole batch: 4 samples, mean 3 * (step + 1); a replica takes its quarter / half
-    return torch.tensor([[1.0], [2.0], [3.0], [6.0]]) * (step + 1)
+    # whole batch: 4 samples, mean 3 * (step + 1); a replica takes its half
+    x = torch.tensor([[1.0], [2.0], [3.0], [6.0]]) * (step + 1)
+    return x, x
 
 
-def _torch_oracle(steps, clip, lr, frozen=False):
-    """One process, the whole model and batch, torch's clip_grad_norm_."""
-    model = nn.Sequential(Scale(3.0), Scale(4.0))
-    model[0].w.requires_grad_(not frozen)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    norms, traj = [], []
-    for step in range(steps):
-        model(_scalar_batch(step)).mean().backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
-        opt.step()
-        opt.zero_grad()
-        traj.append([p.detach().clone() for p in model.parameters()])
-    return norms, traj
+def _scale_layers(frozen):
+    layers = [Scale(3.0), Scale(4.0)]
+    layers[0].w.requires_grad_(not frozen)
+    return layers
 
 
-def clip_global_norm(rank, world, steps=3, clip=1.0, lr=0.1):
-    """pp 2 x sharding 2 (v1, v2; overlap, release on / off) and pp 2 x dp 2 (plain SGD,
-    `train_batch(grad_clip=)`; dp overlap on / off; once with stage 0's param frozen): the
-    norm is the hand value on all 4 ranks; the clipped update equals torch's clip_grad_norm_
-    on one process; release on == off bitwise. Sharding rank 1 owns nothing on either stage
-    (v1: one param per stage; v2: its shard is padding only)."""
-    hands = {f: _hand_clip(steps, clip, lr, f) for f in (False, True)}
-    oracles = {f: _torch_oracle(steps, clip, lr, f) for f in (False, True)}
+def clip_global_norm(rank: int, world: int, steps: int = 3, clip: float = 1.0,
+                     lr: float = 0.1) -> None:
+    """pp 2 x (sharding 2 | dp 2), overlap, release: the norm and update as by hand."""
+    hands, oracles = {}, {}
+    for frozen in (False, True):
+        hands[frozen] = _hand_clip(steps, clip, lr, frozen)
+        model = nn.Sequential(*_scale_layers(frozen))
+        oracles[frozen] = _clipped_oracle(model, steps, clip, _scalar_batch,
+                                          torch.optim.SGD(model.parameters(), lr=lr), _mean_loss)
     assert min(hands[True][0]) > clip  # the clip is active: max_norm below the norm
     configs = [("sharding", v, overlap, release) for v, overlap, release in _variants()]
     configs += [("dp", None, overlap, release) for _, overlap, release in _variants((1,))]
     configs += [("frozen", None, True, True)]  # stage 0 has no trainable param
     runs = {}
-    for kind, version, overlap, release in configs:
-        hand_norms, hand_params = hands[kind == "frozen"]
-        torch_norms, oracle = oracles[kind == "frozen"]
-        strategy = _pp2_strategy(version if kind == "sharding" else None, overlap, release)
-        hcg = HybridCommunicateGroup(strategy)
-        stage = hcg.get_stage_id()
-        layers = [Scale(3.0), Scale(4.0)]
-        layers[0].w.requires_grad_(kind != "frozen")
-        model = PipelineParallel(layers, hcg, strategy, _mean_loss)
-        grad_clip = ClipGradByGlobalNorm(clip)
-        opt = torch.optim.SGD(model.parameters(), lr=lr)
-        if version:
-            opt = _VERSIONS[version](opt,
-                                     hcg, _for(_VERSIONS[version], strategy), grad_clip=grad_clip)
-            if version == 1:
-                assert set(opt._param2rank.values()) == {0}  # sharding rank 1 owns nothing
-        replica = hcg.get_data_parallel_rank() + hcg.get_sharding_parallel_rank()
-        norms, traj = [], []
-        for step in range(steps):
-            x = _scalar_batch(step).chunk(2)[replica]
-            model.train_batch((x, x), opt, grad_clip=None if version else grad_clip)
-            norm = grad_clip.global_norm
-            assert norm.dtype == torch.float32 and _same_on_all([norm], None)
-            assert math.isclose(float(norm), hand_norms[step], rel_tol=1e-6), \
-                (kind, version, overlap, release, step, float(norm), hand_norms[step])
-            torch.testing.assert_close(norm, torch_norms[step], rtol=1e-6, atol=0)
-            (w,) = [p.detach().clone() for p in model.parameters()]
-            assert math.isclose(float(w), hand_params[step][stage], rel_tol=1e-6)
-            torch.testing.assert_close(w, oracle[step][stage], rtol=1e-6, atol=0)
-            norms.append(norm.clone())
-            traj.append(w)
-        if version == 2:
-            views = [view for b in opt._comm_buffer_list
-                     for view in b._sharding_param_grad_view.values()]
-            assert [v._has_local for v in views] == [hcg.get_sharding_parallel_rank() == 0]
-        if version == 1 and not overlap and not release:  # misuse: raised before any comm
-            with pytest.raises(ValueError, match="clips in its own step"):
-                model.train_batch((x, x), opt, grad_clip=grad_clip)
-            with pytest.raises(TypeError, match="grad_clip must be None or"):
-                _VERSIONS[1](torch.optim.SGD(model.parameters(), lr=lr), hcg,
-                             _for(_VERSIONS[1], strategy), grad_clip=torch.nn.utils.clip_grad_norm_)
-        runs[kind, version, overlap, release] = norms + traj
-    for (kind, version, overlap, release), values in runs.items():
-        if release and (kind, version, overlap, False) in runs:
-            off = runs[kind, version, overlap, False]
-            _assert_bitwise(values, off, (kind, version))
-    return "ok"
+    for config in configs:
+        frozen = config[0] == "frozen"
+        runs[config] = _clipped_run(config, hands[frozen], oracles[frozen], steps, clip, lr)
+    _assert_release_keeps_bits(runs)
+
+
+def _clipped_run(config, hand, oracle, steps, clip, lr):
+    """One `clip_global_norm` layout against the hand values and torch's."""
+    kind, version, overlap, release = config
+    (hand_norms, hand_params), (torch_norms, torch_params) = hand, oracle
+    strategy, hcg, model, grad_clip = _pp2(version, overlap, release,
+                                           _scale_layers(kind == "frozen"), _mean_loss, clip)
+    stage = hcg.get_stage_id()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    if version:
+        opt = _shard(version, opt, hcg, strategy, grad_clip=grad_clip)
+    if version == 1:
+        assert set(opt._param2rank.values()) == {0}  # sharding rank 1 owns nothing
+    replica = hcg.get_data_parallel_rank() + hcg.get_sharding_parallel_rank()
+    norms, traj = [], []
+    for step in range(steps):
+        x = _scalar_batch(step)[0].chunk(2)[replica]
+        _train_batch(model, (x, x), opt, version, grad_clip)
+        norm = grad_clip.global_norm
+        assert norm.dtype == torch.float32 and _same_on_all([norm], None)
+        assert math.isclose(float(norm), hand_norms[step], rel_tol=1e-6), \
+            (config, step, float(norm), hand_norms[step])
+        torch.testing.assert_close(norm, torch_norms[step], rtol=1e-6, atol=0)
+        (w,) = _params(model)
+        assert math.isclose(float(w), hand_params[step][stage], rel_tol=1e-6)
+        torch.testing.assert_close(w, torch_params[step][stage], rtol=1e-6, atol=0)
+        norms.append(norm.clone())
+        traj.append(w)
+    if version == 2:
+        views = [view for b in opt._comm_buffer_list
+                 for view in b._sharding_param_grad_view.values()]
+        assert [v._has_local for v in views] == [hcg.get_sharding_parallel_rank() == 0]
+    if version == 1 and not overlap and not release:  # misuse: raised before any comm
+        with pytest.raises(ValueError, match="clips in its own step"):
+            model.train_batch((x, x), opt, grad_clip=grad_clip)
+        with pytest.raises(TypeError, match="grad_clip must be None or"):
+            _shard(1, torch.optim.SGD(model.parameters(), lr=lr), hcg, strategy,
+                   grad_clip=torch.nn.utils.clip_grad_norm_)
+    return norms + traj
 
 
 # ---------------------------------------------------------------- tied weights
 
 def _tied_layers():
-    """[T, tanh, A | B, tanh, T'] (8 x 8, no bias); T' tied to T. v1 owners (equal sizes, in
-    order of appearance): T -> rank 0, A -> 1 | B -> 0, T' -> 1. v2 (unit 128 elements): T at
-    offset 0 (rank 0's shard), A at 128 | B at 0, T' at 128 (rank 1's shard)."""
+    """[T, tanh, A | B, tanh, T'], T' tied to T; v1 owners 0, 1 | 0, 1; v2 at 0, 128."""
     layers = []
     for seed in range(6):
         torch.manual_seed(seed)
@@ -159,70 +176,54 @@ def _tied_layers():
 
 
 def _tied_oracle(steps, clip, batch):
+    """One process using one weight twice, clipped: (norms, {0, 2, 3, 5: weight})."""
     layers = _tied_layers()
-    layers[5] = layers[0]  # one module used twice: one weight, counted once by torch
-    model = nn.Sequential(*layers)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    norms, traj = [], []
-    for step in range(steps):
-        x, y = _data(step, batch, 8, 8)
-        _mse(model(x), y).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
-        opt.step()
-        opt.zero_grad()
-        traj.append({i: layers[i].weight.detach().clone() for i in (0, 2, 3, 5)})
-    return norms, traj
+    layers[5] = layers[0]
+    norms, traj = _clipped_oracle(nn.Sequential(*layers), steps, clip,
+                                  lambda step: _data(step, batch, 8, 8))
+    return norms, [{0: w[0], 2: w[1], 3: w[2], 5: w[0]} for w in traj]
 
 
-def tied_weights(rank, world, steps=3, clip=0.05):
-    """pp 2 x sharding 2, v1 and v2, overlap on / off, release on / off, with the tied copies
-    owned by different sharding ranks on the two stages, and pp 2 x dp 2 (plain SGD, dp
-    overlap on / off): after each step the tied weight is bitwise equal on all 4 ranks and
-    equals one process training the model that uses one weight twice (clipped with torch's
-    clip_grad_norm_, which counts it once); release on == off bitwise. Then a second schedule
-    call before the step, and misspelled ties, raise on every rank."""
+def tied_weights(rank: int, world: int, steps: int = 3, clip: float = 0.05) -> None:
+    """pp 2 x (sharding 2 | dp 2): a tie owned by different ranks trains as one weight."""
     batch = 2 * 2 * 2  # replicas x micro-batches x samples
     oracle_norms, oracle = _tied_oracle(steps, clip, batch)
     assert len(oracle_norms) == steps and all(float(n) > clip for n in oracle_norms)  # active
     runs = {}
     for version, overlap, release in _variants() + _variants((None,)):
-        strategy = _pp2_strategy(version, overlap, release)
-        hcg = HybridCommunicateGroup(strategy)
+        strategy, hcg, model, grad_clip = _pp2(version, overlap, release, _tied_layers(), _mse,
+                                               clip, shared_weights=[("0.weight", "5.weight")])
         stage = hcg.get_stage_id()
         replica = hcg.get_sharding_parallel_rank() + hcg.get_data_parallel_rank()
-        model = PipelineParallel(_tied_layers(), hcg, strategy, _mse,
-                                 shared_weights=[("0.weight", "5.weight")])
         tied = model._layers[0 if stage == 0 else 2].weight
         assert getattr(tied, "is_firstly_shared", True) == (stage == 0)
-        grad_clip = ClipGradByGlobalNorm(clip)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         if version:
-            opt = _VERSIONS[version](opt,
-                                     hcg, _for(_VERSIONS[version], strategy), grad_clip=grad_clip)
+            opt = _shard(version, opt, hcg, strategy, grad_clip=grad_clip)
         if version == 1:  # different owners on the two stages
             assert opt._param2rank[tied] == stage
         traj = []
         for step in range(steps):
             x, y = (t.chunk(2)[replica] for t in _data(step, batch, 8, 8))
-            model.train_batch((x, y), opt, grad_clip=None if version else grad_clip)
+            _train_batch(model, (x, y), opt, version, grad_clip)
             assert _same_on_all([tied], None), (version, overlap, release, step)
             torch.testing.assert_close(grad_clip.global_norm, oracle_norms[step],
                                        rtol=1e-5, atol=0)
             want = [oracle[step][i] for i in ((0, 2) if stage == 0 else (3, 5))]
-            got = [p.detach().clone() for p in model.parameters()]
-            _assert_close_each(got, want, rtol=1e-5, atol=1e-6)
-            traj.append(got)
+            traj.append(_params(model))
+            _assert_close_each(traj[-1], want)
         if version == 2:  # the tied copies sit on different shards on the two stages
             view = next(b._sharding_param_grad_view[tied] for b in opt._comm_buffer_list
                         if tied in b._sharding_param_grad_view)
             assert view._index == 128 * stage and view._has_local == (replica == stage)
         runs[version, overlap, release] = traj
-    for (version, overlap, release), traj in runs.items():
-        if release:
-            off = runs[version, overlap, False]
-            _assert_bitwise(traj, off)
-    # accumulating over two calls: the tied sum would run twice, so the second call refuses
-    x, y = (t.chunk(2)[replica] for t in _data(0, batch, 8, 8))
+    _assert_release_keeps_bits(runs)
+    _check_tie_misuse(model, hcg, strategy, (t.chunk(2)[replica] for t in _data(0, batch, 8, 8)))
+
+
+def _check_tie_misuse(model, hcg, strategy, data):
+    """A second schedule call before the step and misspelled ties raise everywhere."""
+    x, y = data
     model.forward_backward_pipeline((x, y))
     with pytest.raises(ValueError, match="ran again before the optimizer step: with comm"):
         model.forward_backward_pipeline((x, y))
@@ -233,17 +234,12 @@ def tied_weights(rank, world, steps=3, clip=0.05):
         with pytest.raises(error, match=match):
             PipelineParallel(_tied_layers(), hcg, strategy, _mse, shared_weights=ties)
     dist.barrier()  # every rank raised and got here
-    return "ok"
 
 
 # ---------------------------------------------------------------- several schedule calls
 
-def accumulate_calls(rank, world, steps=3):
-    """The issue's input: pp 2 x sharding 2, v1, 1 micro-batch per call, SGD lr 0.1, loss
-    mean/2, a step = forward_backward_pipeline(x1) then train_batch(x2), x = 1 | 5 on
-    sharding rank 0 and 3 | 7 on rank 1. Without overlap: a = b = 0.6, 0.36, 0.216 (hand
-    values), release on and off. With sharding comm overlap: the second call raises
-    ValueError on every rank, before any communication (no rank is left waiting)."""
+def accumulate_calls(rank: int, world: int, steps: int = 3) -> None:
+    """Two schedule calls per step: a = b = 0.6, 0.36, 0.216; with overlap refused."""
     for overlap in (False, True):
         for release in (False, True):
             strategy = _strategy(pp=2, sharding=2, acc=1, release=release,
@@ -265,13 +261,10 @@ def accumulate_calls(rank, world, steps=3):
                 (w,) = model.parameters()
                 assert math.isclose(float(w), want, rel_tol=1e-6), (release, step, float(w))
     dist.barrier()  # every rank got here: none is blocked in a collective
-    return "ok"
 
 
-def second_call_refused_pp3(rank, world):
-    """pp 3 with a tie between the first and last stage: the middle stage holds no copy, yet
-    a second forward_backward_pipeline before the step raises on it too (no rank is left in
-    a receive)."""
+def second_call_refused_pp3(rank: int, world: int) -> None:
+    """pp 3, first-last tie: a second schedule call raises on every stage."""
     strategy = _strategy(pp=3, acc=2, release=True)
     hcg = HybridCommunicateGroup(strategy)
     torch.manual_seed(0)
@@ -286,4 +279,3 @@ def second_call_refused_pp3(rank, world):
                                          "shared_weights"):
         model.forward_backward_pipeline(data)
     dist.barrier()
-    return "ok"

@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from relgrad import register_main_grad_hooks
 from pipeline import PipelineParallel
-from relgrad import HybridCommunicateGroup
+from relgrad import HybridCommunicateGroup, register_main_grad_hooks
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2, MixPrecisionOptimizer
-from relgrad_checks.common import (_for, OPTIMIZERS, _assert_bitwise, _assert_close_each, _data,
-                                   _mlp, _oracle, _same_on_all, _strategy)
+from relgrad_checks.common import (OPTIMIZERS, _assert_bitwise, _assert_close_each, _data, _mlp,
+                                   _oracle, _params, _releases, _same_on_all, _shard,
+                                   _sharding_groups, _strategy, _train)
 
 V1, V2 = DygraphShardingOptimizer, DygraphShardingOptimizerV2
 
@@ -23,40 +23,37 @@ V1, V2 = DygraphShardingOptimizer, DygraphShardingOptimizerV2
 class _Params(nn.Module):
     """Scalar params `a`, `b`, ... (shape (1,)) with given start values."""
 
-    def __init__(self, dtype=torch.float32, **values):
+    def __init__(self, dtype: torch.dtype = torch.float32, **values: float) -> None:
         super().__init__()
         for name, value in values.items():
             self.register_parameter(name, nn.Parameter(torch.tensor([value], dtype=dtype)))
 
 
-def _groups(world, dp=1, release=False):
-    strategy = _strategy(sharding=world // dp, dp=dp, release=release)
-    return HybridCommunicateGroup(strategy), strategy
-
-
 def _wrap(kind, opt, hcg, strategy):
-    return MixPrecisionOptimizer(opt) if kind == "mix" else kind(opt, hcg, _for(kind, strategy))
+    """`opt` wrapped as `kind`: "mix" (MixPrecisionOptimizer), V1 or V2."""
+    if kind == "mix":
+        return MixPrecisionOptimizer(opt)
+    return _shard(kind, opt, hcg, strategy)
+
+
+def _scalar(kind, hcg, strategy, lr=1.0, dtype=torch.float32):
+    """`_Params(w=1.0)` (bf16: with main-grad hooks) and its SGD(lr) wrapped as `kind`."""
+    m = _Params(dtype, w=1.0)
+    if dtype == torch.bfloat16:
+        register_main_grad_hooks(m.parameters())
+    return m, _wrap(kind, torch.optim.SGD(m.parameters(), lr=lr), hcg, strategy)
 
 
 def _value(p):
     return p.detach().float().item()
 
 
-def _both_releases(hcg, strategy):
-    for release in (False, True):
-        st = copy.deepcopy(strategy)
-        st.pp_configs.release_gradients = release
-        yield release, st
-
-
-def groups_after_load(rank, world):
-    """param_groups / state re-read after load_state_dict: an LR set then reaches the step;
-    a scheduler on the wrapped torch optimizer raises."""
-    hcg, strategy = _groups(world)
+def groups_after_load(rank: int, world: int) -> None:
+    """An LR set (or scheduled) after load_state_dict reaches the step; a template's raises."""
+    hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):
-        for release, st in _both_releases(hcg, strategy):
-            m = _Params(w=1.0)
-            opt = _wrap(kind, torch.optim.SGD(m.parameters(), lr=1.0), hcg, st)
+        for release, st in _releases(strategy):
+            m, opt = _scalar(kind, hcg, st)
             opt.load_state_dict(opt.state_dict())
             opt.param_groups[0]["lr"] = 0.5
             m.w.grad = torch.ones(1)
@@ -64,8 +61,7 @@ def groups_after_load(rank, world):
             assert _value(m.w) == 0.5, (kind, _value(m.w))  # 1 - 0.5 * 1
             opt.zero_grad(set_to_none=release)
             # an LR scheduler built before the load (a resumed run) still drives the step
-            m = _Params(w=1.0)
-            opt = _wrap(kind, torch.optim.SGD(m.parameters(), lr=1.0), hcg, st)
+            m, opt = _scalar(kind, hcg, st)
             sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.25)
             opt.load_state_dict(opt.state_dict())
             sched.step()  # lr 1.0 -> 0.25
@@ -84,17 +80,14 @@ def groups_after_load(rank, world):
             with pytest.raises(ValueError, match="Build the scheduler on the wrapper"):
                 opt.step()
             assert _value(m.w) == 1.0
-    return "ok"
 
 
-def masters_reload(rank, world):
+def masters_reload(rank: int, world: int) -> None:
     """bf16 + main_grad: weights loaded into the model after a step are what trains."""
-    hcg, strategy = _groups(world)
+    hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):
-        for release, st in _both_releases(hcg, strategy):
-            m = _Params(torch.bfloat16, w=1.0)
-            register_main_grad_hooks(m.parameters())
-            opt = _wrap(kind, torch.optim.SGD(m.parameters(), lr=0.5), hcg, st)
+        for release, st in _releases(strategy):
+            m, opt = _scalar(kind, hcg, st, 0.5, torch.bfloat16)
             m.w.sum().backward()  # grad 1 on every rank
             opt.step()
             opt.zero_grad(set_to_none=release)
@@ -106,24 +99,20 @@ def masters_reload(rank, world):
             assert _value(m.w) == 3.5, (kind, _value(m.w))  # 4 - 0.5 * 1, not 0.5 - 0.5
             # untouched targets keep their fp32 masters: three steps of 1e-3 from 1.0 give
             # 0.997, which is 0.99609375 in bf16 (a master reloaded each step stays at 1.0)
-            m = _Params(torch.bfloat16, w=1.0)
-            register_main_grad_hooks(m.parameters())
-            opt = _wrap(kind, torch.optim.SGD(m.parameters(), lr=1e-3), hcg, st)
+            m, opt = _scalar(kind, hcg, st, 1e-3, torch.bfloat16)
             for _ in range(3):
                 m.w.sum().backward()
                 opt.step()
                 opt.zero_grad(set_to_none=release)
             assert _value(m.w) == 0.99609375, (kind, _value(m.w))
-    return "ok"
 
 
-def add_param_group(rank, world):
-    """v1 shards an added group (b = -1.0 on both ranks); MixPrecision gives it a master;
-    v2 raises naming the alternative."""
-    hcg, strategy = _groups(world)
-    for release, st in _both_releases(hcg, strategy):
+def add_param_group(rank: int, world: int) -> None:
+    """v1 shards an added group (b = -1.0); MixPrecision gives it a master; v2 raises."""
+    hcg, strategy = _sharding_groups(world)
+    for release, st in _releases(strategy):
         m = _Params(a=1.0, b=1.0)
-        opt = V1(torch.optim.SGD([m.a], lr=1.0), hcg, _for(V1, st))
+        opt = _shard(V1, torch.optim.SGD([m.a], lr=1.0), hcg, st)
         opt.add_param_group({"params": [m.b]})
         assert len(opt.param_groups) == 2  # on every rank, owner or not
         (m.b * (1 if rank == 0 else 3)).sum().backward()
@@ -134,7 +123,7 @@ def add_param_group(rank, world):
         with pytest.raises(ValueError, match="already in the optimizer"):
             opt.add_param_group({"params": [m.a]})
         m = _Params(a=1.0, b=1.0)
-        opt = V2(torch.optim.SGD([m.a], lr=1.0), hcg, _for(V2, st))
+        opt = _shard(V2, torch.optim.SGD([m.a], lr=1.0), hcg, st)
         with pytest.raises(ValueError, match="build the torch optimizer with every group"):
             opt.add_param_group({"params": [m.b]})
     m = _Params(torch.bfloat16, a=1.0, b=1.0)
@@ -145,17 +134,13 @@ def add_param_group(rank, world):
     (m.a + m.b).sum().backward()
     opt.step()
     assert (_value(m.a), _value(m.b)) == (0.0, 0.5)
-    return "ok"
 
 
-def hooks(rank, world):
-    """torch's step and state_dict / load_state_dict hooks run on the wrappers, in order, and
-    what a hook returns is what is saved / loaded: the load pre-hook swaps in a state saved
-    with lr 0.5, which the next step uses (w: 1 -> 0 at lr 1, then -> -0.5)."""
-    hcg, strategy = _groups(world)
+def hooks(rank: int, world: int) -> None:
+    """torch's hooks run in order; the load pre-hook's lr 0.5 state loads (w: 1, 0, -0.5)."""
+    hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):
-        m = _Params(w=1.0)
-        opt = _wrap(kind, torch.optim.SGD(m.parameters(), lr=1.0), hcg, strategy)
+        m, opt = _scalar(kind, hcg, strategy)
         calls, swap = [], {}
 
         def load_pre(o, sd):
@@ -184,31 +169,28 @@ def hooks(rank, world):
         m.w.sum().backward()
         opt.step()
         assert _value(m.w) == -0.5, (kind, _value(m.w))
-    return "ok"
 
 
-def grad_on_some_ranks(rank, world, dp=1):
-    """A param left out of one rank's loss: no hang, stepped on the mean with zeros for the
-    missing grads (one process on the whole batch), v1 and v2, release off and on."""
-    hcg, strategy = _groups(world, dp)
+def grad_on_some_ranks(rank: int, world: int, dp: int = 1) -> None:
+    """A param left out of one rank's loss is stepped on the mean, v1 and v2."""
+    hcg, strategy = _sharding_groups(world // dp, dp)
+    # 2 ranks: a = 1 - (1 + 3) / 2, b = 1 - (1 + 0) / 2; 4 ranks: a = 1 - (1 + 3 + 5 + 7) / 4,
+    # b = 1 - (1 + 3 + 5 + 0) / 4
+    want = (-1.0, 0.5) if world == 2 else (-3.0, -1.25)
     for kind in (V1, V2):
-        for release, st in _both_releases(hcg, strategy):
+        for release, st in _releases(strategy):
             m = _Params(a=1.0, b=1.0, c=1.0)
-            opt = kind(torch.optim.SGD(m.parameters(), lr=1.0), hcg, _for(kind, st))
+            opt = _shard(kind, torch.optim.SGD(m.parameters(), lr=1.0), hcg, st)
             k = 2 * rank + 1
             loss = m.a * k + (m.b * k if rank != world - 1 else 0)  # c: no grad anywhere
             loss.sum().backward()
             opt.step()
             opt.zero_grad(set_to_none=release)
-            if world == 2:  # a: 1 - (1 + 3) / 2; b: 1 - (1 + 0) / 2
-                assert (_value(m.a), _value(m.b)) == (-1.0, 0.5), (_value(m.a), _value(m.b))
-            else:  # a: 1 - (1 + 3 + 5 + 7) / 4; b: 1 - (1 + 3 + 5 + 0) / 4
-                assert (_value(m.a), _value(m.b)) == (-3.0, -1.25), (_value(m.a), _value(m.b))
+            assert (_value(m.a), _value(m.b)) == want, (_value(m.a), _value(m.b))
             assert _value(m.c) == 1.0
-    return "ok"
 
 
-def pipeline_dp_grad_on_some_ranks(rank, world):
+def pipeline_dp_grad_on_some_ranks(rank: int, world: int) -> None:
     """pp 2 x dp 2 without overlap: a grad on one dp replica only reaches both, no hang."""
     strategy = _strategy(dp=2, pp=2)
     hcg = HybridCommunicateGroup(strategy)
@@ -222,158 +204,119 @@ def pipeline_dp_grad_on_some_ranks(rank, world):
     model.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     model._optimizer_step()
     assert _value(w) == 0.0, _value(w)  # 1 - (2 + 0) / 2
-    return "ok"
 
 
-def _train(model, opt, hcg, steps=3, batch=8, set_to_none=True):
-    traj, n, r = [], hcg.get_sharding_parallel_world_size(), hcg.get_sharding_parallel_rank()
-    for step in range(steps):
-        x, y = (t.chunk(n)[r] for t in _data(step, batch, 6, 4))
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=set_to_none)
-        traj.append([p.detach().clone() for p in model.parameters()])
-    return traj
+def _built(kind, st, hcg, opt_name="sgd", dtype=torch.float32):
+    """`_mlp([6, 16, 4])` in `dtype` and its `opt_name` optimizer wrapped as `kind`."""
+    model = _mlp([6, 16, 4]).to(dtype)
+    return model, _shard(kind, OPTIMIZERS[opt_name](model.parameters()), hcg, st)
 
 
-def _assert_oracle(traj, oracle):
-    for got, want in zip(traj, oracle):
-        _assert_close_each(got, want, rtol=1e-5, atol=1e-6)
-
-
-def v2_model_moved(rank, world):
-    """v2, model.to(float64).to(float32) after building: trains as one process; a model left
-    in float64 raises on every rank."""
-    hcg, strategy = _groups(world)
+def v2_model_moved(rank: int, world: int) -> None:
+    """v2: model.to(float64).to(float32) trains as one process; a model left in float64 raises."""
+    hcg, strategy = _sharding_groups(world)
     oracle = _oracle(lambda: _mlp([6, 16, 4]), "sgd", 3, 8)
-    for release, st in _both_releases(hcg, strategy):
-        model = _mlp([6, 16, 4])
-        opt = V2(OPTIMIZERS["sgd"](model.parameters()), hcg, _for(V2, st))
+    for release, st in _releases(strategy):
+        model, opt = _built(V2, st, hcg)
         model.to(torch.float64).to(torch.float32)
-        _assert_oracle(_train(model, opt, hcg, set_to_none=release), oracle)
-        model = _mlp([6, 16, 4])
-        opt = V2(OPTIMIZERS["sgd"](model.parameters()), hcg, _for(V2, st))
+        _assert_close_each(_train(model, opt, 3, 8, (world, rank), release), oracle)
+        model, opt = _built(V2, st, hcg)
         model.to(torch.float64)
         F.mse_loss(model(_data(0, 8, 6, 4)[0].double()), torch.zeros(8, 4).double()).backward()
         with pytest.raises(ValueError, match="dtype or device"):
             opt.step()
-    return "ok"
 
 
-def unfrozen_param(rank, world):
-    """Built while a layer is frozen, trained after unfreezing: v1 trains it as one process
-    does; v2 raises on every rank (it has no slot)."""
-    hcg, strategy = _groups(world)
+def unfrozen_param(rank: int, world: int) -> None:
+    """A layer frozen at build, then unfrozen: v1 trains it as one process; v2 raises."""
+    hcg, strategy = _sharding_groups(world)
     oracle = _oracle(lambda: _mlp([6, 16, 4]), "sgd", 3, 8)
-    for release, st in _both_releases(hcg, strategy):
+    for release, st in _releases(strategy):
         for kind in (V1, V2):
             model = _mlp([6, 16, 4])
             model[2].requires_grad_(False)
-            opt = kind(OPTIMIZERS["sgd"](model.parameters()), hcg, _for(kind, st))
+            opt = _shard(kind, OPTIMIZERS["sgd"](model.parameters()), hcg, st)
             model[2].requires_grad_(True)
             if kind is V1:
-                _assert_oracle(_train(model, opt, hcg, set_to_none=release), oracle)
-            else:
-                F.mse_loss(model(_data(0, 8, 6, 4)[0]), torch.zeros(8, 4)).backward()
-                with pytest.raises(ValueError, match="frozen when the fused buffers were built"):
-                    opt.step()
-    return "ok"
+                _assert_close_each(_train(model, opt, 3, 8, (world, rank), release), oracle)
+                continue
+            F.mse_loss(model(_data(0, 8, 6, 4)[0]), torch.zeros(8, 4)).backward()
+            with pytest.raises(ValueError, match="frozen when the fused buffers were built"):
+                opt.step()
 
 
-def main_grad_some_layers(rank, world):
-    """bf16, main-grad hooks on some layers only: v2 raises at construction (one bucket) or,
-    hooks added after building, at step() on every rank."""
-    hcg, strategy = _groups(world)
-    for _, st in _both_releases(hcg, strategy):
+def main_grad_some_layers(rank: int, world: int) -> None:
+    """bf16, main-grad hooks on some layers: v2 raises at build, or at step()."""
+    hcg, strategy = _sharding_groups(world)
+    for _, st in _releases(strategy):
         model = _mlp([6, 16, 4]).to(torch.bfloat16)
         register_main_grad_hooks(model[0].parameters())
         with pytest.raises(ValueError, match="have no main_grad while others do"):
-            V2(OPTIMIZERS["sgd"](model.parameters()), hcg, _for(V2, st))
-        model = _mlp([6, 16, 4]).to(torch.bfloat16)
-        opt = V2(OPTIMIZERS["sgd"](model.parameters()), hcg, _for(V2, st))
+            _shard(V2, OPTIMIZERS["sgd"](model.parameters()), hcg, st)
+        model, opt = _built(V2, st, hcg, dtype=torch.bfloat16)
         register_main_grad_hooks(model[0].parameters())
         model(torch.ones(2, 6, dtype=torch.bfloat16)).float().sum().backward()
         with pytest.raises(ValueError, match="main_grad does not match its bucket"):
             opt.step()
-    return "ok"
 
 
-def zero_grad_before_step(rank, world):
-    """zero_grad() between backward and step(): v1 and v2 raise alike on every rank, and a
-    model whose params were replaced (load_state_dict(assign=True)) raises the same way."""
-    hcg, strategy = _groups(world)
-    for release, st in _both_releases(hcg, strategy):
+def zero_grad_before_step(rank: int, world: int) -> None:
+    """zero_grad() before step(), or assign=True params, raise in v1 and v2."""
+    hcg, strategy = _sharding_groups(world)
+    for release, st in _releases(strategy):
         for kind in (V1, V2):
-            model = _mlp([6, 16, 4])
-            opt = kind(OPTIMIZERS["adam"](model.parameters()), hcg, _for(kind, st))
+            model, opt = _built(kind, st, hcg, "adam")
             F.mse_loss(model(torch.ones(2, 6)), torch.zeros(2, 4)).backward()
             opt.zero_grad(set_to_none=release)
             with pytest.raises(ValueError, match="did zero_grad\\(\\) run between backward"):
                 opt.step()
-            model = _mlp([6, 16, 4])
-            opt = kind(OPTIMIZERS["adam"](model.parameters()), hcg, _for(kind, st))
+            model, opt = _built(kind, st, hcg, "adam")
             model.load_state_dict(_mlp([6, 16, 4], seed=1).state_dict(), assign=True)
             F.mse_loss(model(torch.ones(2, 6)), torch.zeros(2, 4)).backward()
             with pytest.raises(ValueError, match="assign=True"):
                 opt.step()
-    return "ok"
 
 
-def no_grad_not_stepped(rank, world):
-    """AdamW (weight decay) with a layer no rank uses: v1 and v2 leave it untouched, as one
-    process does, release on == off bitwise, the rest equal to one process."""
-    hcg, strategy = _groups(world)
+def no_grad_not_stepped(rank: int, world: int) -> None:
+    """AdamW, a layer no rank uses: left untouched, on == off, the rest like one process."""
+    hcg, strategy = _sharding_groups(world)
 
     def make():
         torch.manual_seed(0)
         return nn.ModuleList([nn.Linear(6, 4), nn.Linear(3, 3)])  # [1] is never called
 
-    def run(model, opt, replicas, replica):
-        traj = []
-        for step in range(3):
-            x, y = (t.chunk(replicas)[replica] for t in _data(step, 8, 6, 4))
-            F.mse_loss(model[0](x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=release)
-            traj.append([p.detach().clone() for p in model.parameters()])
-        return traj
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
-    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
     for kind in (V1, V2):
         trajs = {}
-        for release, st in _both_releases(hcg, strategy):
+        for release, st in _releases(strategy):
             model = make()
-            start = [p.detach().clone() for p in model[1].parameters()]
-            trajs[release] = run(model, kind(adamw(model.parameters()), hcg, _for(kind, st)),
-                                 world, rank)
+            start = _params(model[1])
+            opt = _shard(kind, adamw(model), hcg, st)
+            trajs[release] = _train(model, opt, 3, 8, (world, rank), release, net=model[0])
             _assert_bitwise(start, model[1].parameters())
         _assert_bitwise(trajs[False], trajs[True])
-        release = True
         model = make()
-        _assert_oracle(trajs[True], run(model, adamw(model.parameters()), 1, 0))
-    return "ok"
+        _assert_close_each(trajs[True], _train(model, adamw(model), 3, 8, net=model[0]))
 
 
-def grad_scaler(rank, world):
+def grad_scaler(rank: int, world: int) -> None:
     """torch.amp.GradScaler driving a wrapper raises on every rank; params unchanged."""
-    hcg, strategy = _groups(world)
+    hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):
-        m = _Params(w=1.0)
-        opt = _wrap(kind, torch.optim.SGD(m.parameters(), lr=1.0), hcg, strategy)
+        m, opt = _scalar(kind, hcg, strategy)
         scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
         scaler.scale(m.w * (rank + 1)).sum().backward()
         with pytest.raises(ValueError, match="GradScaler cannot drive"):
             scaler.step(opt)
         assert _value(m.w) == 1.0
         assert _same_on_all([m.w])
-    return "ok"
 
 
-def stateful_template(rank, world):
-    """A torch optimizer that already has state (stepped, or loaded from a checkpoint) is
-    refused when wrapped, on every rank even if only one rank has it; MixPrecisionOptimizer
-    loads a plain torch state_dict instead; v2 refuses a shape-dependent optimizer."""
-    hcg, strategy = _groups(world)
+def stateful_template(rank: int, world: int) -> None:
+    """A torch optimizer with state is refused everywhere; MixPrecision loads its state."""
+    hcg, strategy = _sharding_groups(world)
     for kind in ("mix", V1, V2):
         model = _Params(a=1.0, b=2.0)
         opt = torch.optim.Adam(model.parameters(), lr=0.5)
@@ -399,8 +342,13 @@ def stateful_template(rank, world):
     mix.step()
     assert (_value(model.a), _value(model.b)) == (_value(ref.a), _value(ref.b))
     assert mix.state_dict()["inner"]["state"][0]["step"].item() == 2
+    _check_element_wise(hcg, strategy)
+
+
+def _check_element_wise(hcg, strategy):
+    """v2 refuses Adafactor and an own-step subclass; Adagrad trains under v1."""
     with pytest.raises(ValueError, match="needs an element-wise optimizer.*got Adafactor"):
-        V2(torch.optim.Adafactor(_Params(a=1.0).parameters()), hcg, _for(V2, strategy))
+        _shard(V2, torch.optim.Adafactor(_Params(a=1.0).parameters()), hcg, strategy)
 
     class Lamb(torch.optim.AdamW):  # a per-tensor trust ratio: wrong on flat slices
         @torch.no_grad()
@@ -411,13 +359,12 @@ def stateful_template(rank, world):
         pass
 
     with pytest.raises(ValueError, match="needs an element-wise optimizer.*got Lamb"):
-        V2(Lamb(_Params(a=1.0).parameters()), hcg, _for(V2, strategy))
-    V2(Quiet(_Params(a=1.0).parameters()), hcg, _for(V2, strategy))
+        _shard(V2, Lamb(_Params(a=1.0).parameters()), hcg, strategy)
+    _shard(V2, Quiet(_Params(a=1.0).parameters()), hcg, strategy)
     # Adagrad builds its state when constructed: that is no "state" to drop; v1 trains it as
     # one process does (a = 1 - 0.5 * 3 / sqrt(9) = 0.5 after one step, b likewise 1.5)
     model = _Params(a=1.0, b=2.0)
-    v1 = V1(torch.optim.Adagrad(model.parameters(), lr=0.5), hcg, _for(V1, strategy))
+    v1 = _shard(V1, torch.optim.Adagrad(model.parameters(), lr=0.5), hcg, strategy)
     (model.a * 3 + model.b).sum().backward()
     v1.step()
     assert (_value(model.a), _value(model.b)) == (0.5, 1.5)
-    return "ok"

@@ -1,4 +1,4 @@
-"""Rank-side checks of comm_buffer.py: layout, the three actions, lifetime, main grads, misuse."""
+"""Rank-side checks of comm_buffer.py's buffer: layout, actions, lifetime, main grads, misuse."""
 import weakref
 
 import pytest
@@ -6,28 +6,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from comm_buffer import HOOK_ACTION, FusedCommBuffer, bw_hook_func
+from comm_buffer import FusedCommBuffer, bw_hook_func, main_grad_or_grad
 from relgrad import register_main_grad_hooks
 from relgrad_checks.common import (ACTIONS, _assert_bitwise, _backward_int_grads, _new_params,
-                                   _released, _slot)
+                                   _released, _slot, _spy_buffers)
 
-# ---------------------------------------------------------------- comm_buffer.py
+ALL_REDUCE, REDUCE, REDUCE_SCATTER = ACTIONS
 
-def _check_layout(rank, world):
+
+def _check_layout(rank: int, world: int) -> None:
     """Offsets, padded sizes and buffer sizes follow Paddle's formulas."""
     params = _new_params([(1000,), (8, 8), (3,)], torch.bfloat16)
-    buf = FusedCommBuffer(0, params, None, act=HOOK_ACTION.ALL_REDUCE, use_main_grad=True)
+    buf = FusedCommBuffer(0, params, None, act=ALL_REDUCE, use_main_grad=True)
     slots = [_slot(p.numel(), 2) for p in params]
     assert slots == [1024, 128, 128]  # bf16: 1000 -> 1024 elements
     assert [buf.param2offset[p] for p in params] == [0, 1024, 1152]
     assert buf.buffer_size == sum(slots) and buf.grad_storage.dtype == torch.float32
     assert buf.grad_storage.numel() == buf.buffer_size
     assert params[1].main_grad.data_ptr() == buf.grad_storage[1024:].data_ptr()
-
     # reduce-scatter: unit (256 / 2) * world; params straddle ranks; overlaps may be empty
     params = _new_params([(300,), (10, 100), (20,)], torch.bfloat16)
     before = [p.detach().clone() for p in params]
-    buf = FusedCommBuffer(0, params, None, act=HOOK_ACTION.REDUCE_SCATTER, release_grads=True)
+    buf = FusedCommBuffer(0, params, None, act=REDUCE_SCATTER, release_grads=True)
     unit = 128 * world
     padded = [-(-p.numel() // unit) * unit for p in params]
     assert buf.buffer_size == sum(padded) and buf.buffer_size % world == 0
@@ -49,46 +49,60 @@ def _check_layout(rank, world):
         assert padded == [512, 1024, 512] and owners == [[0], [1, 2], [3]]
 
 
-def _hooked_buffer(params, act, acc, release):
-    """One bucket of `params` on the default group (REDUCE to global rank 1), each param's
-    grad checked in by its post-accumulate hook."""
-    dst = 1 if act == HOOK_ACTION.REDUCE else -1
-    buf = FusedCommBuffer(0, params, None, acc, act, dst, release_grads=release)
+def _hooked(params, acc=1, act=ALL_REDUCE, dst=None, **kwargs):
+    """One bucket of `params` (REDUCE: to global rank 1 unless `dst`), its hooks registered."""
+    if dst is None:
+        dst = 1 if act == REDUCE else -1
+    buf = FusedCommBuffer(0, params, None, acc, act, dst, **kwargs)
     for p in params:
         p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
     return buf
 
 
-def _check_actions(rank, world):
-    """Each action equals a per-param collective done by hand; release on == off, bitwise."""
-    shapes = [(7, 5), (13,), (3, 4, 2), (70,)]
+def _end_step(buf, params, release):
+    """Release off: zero the (main) grads in place; on: drop main grads, release the buffer."""
+    for p in params:
+        if not release:
+            main_grad_or_grad(p).zero_()
+        elif buf.use_main_grad:
+            p.main_grad = None
+    if release:
+        buf._clear_grad_storage()
+
+
+def _buckets(shapes, accs):
+    """(act, acc, release, params, buf) for each action, acc and release off / on: fresh
+    params of `shapes` in a hooked bucket."""
     for act in ACTIONS:
-        for acc in (1, 4):
-            results = {}
+        for acc in accs:
             for release in (False, True):
                 params = _new_params(shapes)
-                buf = _hooked_buffer(params, act, acc, release)
-                results[release] = []
-                for step in range(3):
-                    local = [torch.zeros(s) for s in shapes]
-                    for k in range(acc):
-                        assert buf._task is None, "the collective fired before the last check-in"
-                        if release and k == 0:
-                            assert buf.grad_storage is None
-                        for acc_g, c in zip(local, _backward_int_grads(params, rank, step, k)):
-                            acc_g += c
-                    assert buf._task is not None, "the collective did not fire"
-                    buf.scale_grads()
-                    got = _expected_and_got(buf, params, local, act, rank, world)
-                    results[release].append(got)
-                    if release:
-                        buf._clear_grad_storage()
-                        assert all(p.grad is None for p in params)
-                    else:
-                        for p in params:
-                            p.grad.zero_()
-            for off, on in zip(results[False], results[True]):
-                assert torch.equal(off, on)
+                yield act, acc, release, params, _hooked(params, acc, act, release_grads=release)
+
+
+def _check_actions(rank: int, world: int) -> None:
+    """Each action equals a per-param collective done by hand; release on == off, bitwise."""
+    shapes = [(7, 5), (13,), (3, 4, 2), (70,)]
+    results = {}
+    for act, acc, release, params, buf in _buckets(shapes, (1, 4)):
+        results[act, acc, release] = []
+        for step in range(3):
+            local = [torch.zeros(s) for s in shapes]
+            for k in range(acc):
+                assert buf._task is None, "the collective fired before the last check-in"
+                assert not (release and k == 0) or buf.grad_storage is None
+                for acc_g, c in zip(local, _backward_int_grads(params, rank, step, k)):
+                    acc_g += c
+            assert buf._task is not None, "the collective did not fire"
+            buf.scale_grads()
+            got = _expected_and_got(buf, params, local, act, rank, world)
+            results[act, acc, release].append(got)
+            _end_step(buf, params, release)
+            assert not release or all(p.grad is None for p in params)
+    for (act, acc, release), on in results.items():
+        if release:
+            for off_step, on_step in zip(results[act, acc, False], on):
+                assert torch.equal(off_step, on_step)
 
 
 def _expected_and_got(buf, params, local, act, rank, world):
@@ -96,25 +110,28 @@ def _expected_and_got(buf, params, local, act, rank, world):
     expected = []
     for g in local:
         g = g.clone()
-        if act == HOOK_ACTION.REDUCE:
+        if act == REDUCE:
             dist.reduce(g, dst=1)
         else:
             dist.all_reduce(g)
         expected.append(g / world)
-    if act == HOOK_ACTION.ALL_REDUCE or (act == HOOK_ACTION.REDUCE and rank == 1):
+    if act == ALL_REDUCE or (act == REDUCE and rank == 1):
         for p, e in zip(params, expected):
             assert torch.equal(p.grad, e), "fused result differs from per-param collective"
         return torch.cat([p.grad.reshape(-1) for p in params])
-    if act == HOOK_ACTION.REDUCE:
+    if act == REDUCE:
         return torch.zeros(0)
     full = torch.zeros(buf.buffer_size)
+    used = torch.zeros(buf.buffer_size, dtype=torch.bool)
     for p, e in zip(params, expected):
         index = buf._sharding_param_grad_view[p]._index
         full[index : index + p.numel()] = e.reshape(-1)
+        used[index : index + p.numel()] = True
     shard = buf.buffer_size // world
     mine = buf.grad_storage[rank * shard : (rank + 1) * shard]
     assert torch.equal(mine, full[rank * shard : (rank + 1) * shard])
-    _assert_padding_zero(buf, params)
+    assert torch.all(buf.grad_storage[~used] == 0), "grad padding is not zero"
+    assert torch.all(buf.param_storage[~used] == 0), "param padding is not zero"
     for p in params:
         view = buf._sharding_param_grad_view[p]
         if view._slice_grad is not None:
@@ -122,40 +139,18 @@ def _expected_and_got(buf, params, local, act, rank, world):
     return mine.clone()
 
 
-def _assert_padding_zero(buf, params):
-    used = torch.zeros(buf.buffer_size, dtype=torch.bool)
-    for p in params:
-        index = buf._sharding_param_grad_view[p]._index
-        used[index : index + p.numel()] = True
-    assert torch.all(buf.grad_storage[~used] == 0), "grad padding is not zero"
-    assert torch.all(buf.param_storage[~used] == 0), "param padding is not zero"
-
-
-def _check_lifetime(rank, world):
-    """Release on: absent before each step's first check-in, one allocation per step, freed
-    after release. Release off: one buffer at one address that every grad shares."""
+def _check_lifetime(rank: int, world: int) -> None:
+    """Release: one allocation per step at its first check-in, freed at release; off: one place."""
     for act in ACTIONS:
+        dst = 0 if act == REDUCE else -1
         params = _new_params([(33,), (5, 5)])
-        dst = 0 if act == HOOK_ACTION.REDUCE else -1
-        buf = FusedCommBuffer(0, params, None, 2, act, dst, release_grads=True)
-        for p in params:
-            p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
-        zeros, calls = torch.zeros, []
-
-        def counting_zeros(*args, **kwargs):
-            calls.append(args)
-            return zeros(*args, **kwargs)
-
+        buf = _hooked(params, 2, act, dst, release_grads=True)
         for step in range(3):
             assert buf.grad_storage is None
-            torch.zeros = counting_zeros
-            try:
+            with _spy_buffers({buf.buffer_size}) as record:
                 for k in range(2):
                     _backward_int_grads(params, rank, step, k)
-            finally:
-                torch.zeros = zeros
-            assert [c for c in calls if c[0] == buf.buffer_size] == [(buf.buffer_size,)]
-            calls.clear()
+            assert record["zeros"] == [(buf.buffer_size,)]
             buf.scale_grads()
             old = weakref.ref(buf.grad_storage)
             for p in params:
@@ -163,11 +158,8 @@ def _check_lifetime(rank, world):
             buf._clear_grad_storage()
             assert _released(old), "the released buffer is still alive"
         buf._clear_grad_storage()  # documented no-op: nothing allocated this step
-
         params = _new_params([(33,), (5, 5)])
-        buf = FusedCommBuffer(0, params, None, 2, act, dst, release_grads=False)
-        for p in params:
-            p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+        buf = _hooked(params, 2, act, dst, release_grads=False)
         address = buf.grad_storage.data_ptr()
         for step in range(3):
             for k in range(2):
@@ -179,56 +171,51 @@ def _check_lifetime(rank, world):
                 p.grad.zero_()
 
 
-def _check_main_grad(rank, world):
+def _check_main_grad(rank: int, world: int) -> None:
     """bf16 params, fp32 main_grad, 2 micro-batches of 128 and 0.5: exactly 128.5."""
     one = torch.ones((), dtype=torch.bfloat16)
     assert (one * 128 + one * 0.5).item() == 128.0, "bf16 alone would lose the 0.5"
-    for act in (HOOK_ACTION.ALL_REDUCE, HOOK_ACTION.REDUCE_SCATTER):
+    for act in (ALL_REDUCE, REDUCE_SCATTER):
         outs = []
         for release in (False, True):
             (p,) = _new_params([(6,)], torch.bfloat16)
             register_main_grad_hooks([p])
-            buf = FusedCommBuffer(0, [p], None, 2, act, release_grads=release)
+            buf = _hooked([p], 2, act, release_grads=release)
             assert buf.use_main_grad and (release or buf.grad_storage.dtype == torch.float32)
-            p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
             for step in range(3):
                 for scale in (128.0, 0.5):
                     (p * scale).sum().backward()
                     assert p.grad is None
                 buf.scale_grads()
                 assert p.main_grad.dtype == torch.float32
-                if act == HOOK_ACTION.ALL_REDUCE:
+                if act == ALL_REDUCE:
                     assert torch.all(p.main_grad == 128.5)
-                view = (buf._sharding_param_grad_view[p]
-                        if act == HOOK_ACTION.REDUCE_SCATTER else None)
+                view = buf._sharding_param_grad_view[p] if act == REDUCE_SCATTER else None
                 if view is not None and view._slice_grad is not None:
                     assert torch.all(view._slice_grad[: max(0, 6 - view._param_begin)] == 128.5)
                 outs.append(buf.grad_storage.clone())
-                if release:
-                    p.main_grad = None
-                    buf._clear_grad_storage()
-                else:
-                    p.main_grad.zero_()
+                _end_step(buf, [p], release)
         _assert_bitwise(outs[:3], outs[3:])
 
 
-def _check_misuse(rank, world):
+def _check_misuse(rank: int, world: int) -> None:
     """Bad arguments and misuse raise clear errors on every rank."""
     params = _new_params([(4,), (3,)])
-    with pytest.raises(ValueError, match="act must be"):
-        FusedCommBuffer(0, params, None, act=None)
-    with pytest.raises(ValueError, match="act must be"):
-        FusedCommBuffer(0, params, None, act=7)
-    with pytest.raises(ValueError, match="needs dst"):
-        FusedCommBuffer(0, params, None, act=HOOK_ACTION.REDUCE)
-    with pytest.raises(ValueError, match="only meaningful with act=REDUCE"):
-        FusedCommBuffer(0, params, None, act=HOOK_ACTION.ALL_REDUCE, dst=0)
-    with pytest.raises(ValueError, match="fuse_param=True and release_grads=True"):
-        FusedCommBuffer(0, params, None, act=HOOK_ACTION.ALL_REDUCE, fuse_param=True,
-                        release_grads=True)
-    with pytest.raises(ValueError, match="at least one param"):
-        FusedCommBuffer(0, [], None, act=HOOK_ACTION.ALL_REDUCE)
-    buf = FusedCommBuffer(0, params, None, act=HOOK_ACTION.ALL_REDUCE)
+    for match, built_of, args, kwargs in (
+            ("act must be", params, (), {"act": None}), ("act must be", params, (), {"act": 7}),
+            ("needs dst", params, (), {"act": REDUCE}),
+            ("only meaningful with act=REDUCE", params, (), {"act": ALL_REDUCE, "dst": 0}),
+            ("fuse_param=True and release_grads=True", params, (),
+             {"act": ALL_REDUCE, "fuse_param": True, "release_grads": True}),
+            ("at least one param", [], (), {"act": ALL_REDUCE}),
+            ("acc_steps must be an int >= 1", _new_params([(4,)]), (0,), {"act": ALL_REDUCE}),
+            ("acc_steps must be an int >= 1", _new_params([(4,)]), (2.5,), {"act": ALL_REDUCE}),
+            ("do not require grad", [torch.zeros(3)], (), {"act": ALL_REDUCE}),
+            (f"needs dst, the owner's global rank in comm_group.*got {world}",
+             _new_params([(4,)]), (), {"act": REDUCE, "dst": world})):
+        with pytest.raises(ValueError, match=match):
+            FusedCommBuffer(0, built_of, None, *args, **kwargs)
+    buf = FusedCommBuffer(0, params, None, act=ALL_REDUCE)
     with pytest.raises(ValueError, match="not in bucket"):
         buf.add_grad(nn.Parameter(torch.zeros(4)))
     for p in params:
@@ -240,28 +227,21 @@ def _check_misuse(rank, world):
     assert torch.equal(params[0].grad, torch.ones(4))
     with pytest.raises(RuntimeError, match=r"no collective in flight.*missing: #0 \(0 of 1\)"):
         buf.scale_grads()
-    twice = FusedCommBuffer(1, _new_params([(4,)]), None, 2, act=HOOK_ACTION.ALL_REDUCE)
-    twice.params[0].register_post_accumulate_grad_hook(bw_hook_func(twice, twice.params[0]))
-    twice.params[0].sum().backward()
-    twice.params[0].grad = twice.params[0].grad * 2  # out of place within a step
+    (lone,) = _new_params([(4,)])
+    lone_buf = _hooked([lone], 2)  # kept alive: the hooks hold it weakly
+    lone.sum().backward()
+    lone.grad = lone.grad * 2  # out of place within a step
     with pytest.raises(ValueError, match="address of the grad"):
-        twice.params[0].sum().backward()
+        lone.sum().backward()
     with pytest.raises(RuntimeError, match="release_grads=False: its grad buffer must persist"):
         buf._clear_grad_storage()
-    for acc_steps in (0, 2.5):
-        with pytest.raises(ValueError, match="acc_steps must be an int >= 1"):
-            FusedCommBuffer(0, _new_params([(4,)]), None, acc_steps, act=HOOK_ACTION.ALL_REDUCE)
-    with pytest.raises(ValueError, match="do not require grad"):
-        FusedCommBuffer(0, [torch.zeros(3)], None, act=HOOK_ACTION.ALL_REDUCE)
-    with pytest.raises(ValueError,
-                       match=f"needs dst, the owner's global rank in comm_group.*got {world}"):
-        FusedCommBuffer(0, _new_params([(4,)]), None, act=HOOK_ACTION.REDUCE, dst=world)
+    _check_skipped_parts(rank)
 
-    # release on, used by hand: each skipped part of the step raises at the next check-in
+
+def _check_skipped_parts(rank):
+    """Release by hand: a skipped part of a step or a stale main_grad raises; fuse_param."""
     params = _new_params([(4,), (3,)])
-    buf = FusedCommBuffer(0, params, None, 2, act=HOOK_ACTION.ALL_REDUCE, release_grads=True)
-    for p in params:
-        p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+    buf = _hooked(params, 2, release_grads=True)
     for _ in range(2):
         _backward_int_grads(params, rank, 0, 0)
     buf.scale_grads()
@@ -280,83 +260,72 @@ def _check_misuse(rank, world):
     for k in range(2):
         _backward_int_grads(params, rank, 2, k)
     buf.scale_grads()
-
     # main-grad hooks registered after the buffer's: add_grad would read a stale main_grad
     (p,) = _new_params([(6,)], torch.bfloat16)
     p.main_grad = None
-    buf = FusedCommBuffer(0, [p], None, 2, act=HOOK_ACTION.ALL_REDUCE, release_grads=True)
-    p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
+    buf = _hooked([p], 2, release_grads=True)
     register_main_grad_hooks([p])
     with pytest.raises(ValueError, match="register_main_grad_hooks before the buffer's hooks"):
         p.sum().backward()
-    # fuse_param (without release) moves params into one flat buffer
     fused = _new_params([(4,), (3,)])
     values = [p.detach().clone() for p in fused]
-    buf = FusedCommBuffer(0, fused, None, act=HOOK_ACTION.ALL_REDUCE, fuse_param=True)
+    buf = FusedCommBuffer(0, fused, None, act=ALL_REDUCE, fuse_param=True)
     assert fused[1].data_ptr() == buf.param_storage[buf.param2offset[fused[1]]:].data_ptr()
     _assert_bitwise(fused, values)
 
 
-
 def _signed_zero_grads(params, k):
-    """One micro-batch: `params[0]`'s grad is nonzero, `params[1]`'s is -0.0 in every element
-    (the grad of `-0.0 * (c * z).sum()`, c > 0)."""
+    """One micro-batch: `params[0]`'s grad nonzero, `params[1]`'s -0.0 everywhere."""
     p, z = params
-    gen = torch.Generator().manual_seed(k)
-    c = torch.rand(z.shape, generator=gen) + 1
+    c = torch.rand(z.shape, generator=torch.Generator().manual_seed(k)) + 1
     ((p * (k + 1)).sum() + (c * z).sum() * -0.0).backward()
 
 
-def _check_sign_of_zero(rank, world):
+def _check_sign_of_zero(rank: int, world: int) -> None:
     """A grad element that is -0.0 in every micro-batch ends as +0.0, release on and off."""
     shapes = [(5,), (300,)]  # v2, 2 ranks: z's 300 elements straddle both shards
     (z,) = _new_params(shapes[1:])  # the -0.0 is real: a plain backward keeps it
     _signed_zero_grads([torch.zeros(5, requires_grad=True), z], 0)
     assert z.grad.numel() == 300 and torch.all(torch.signbit(z.grad)), z.grad
-    for act in ACTIONS:
-        for acc in (1, 2):
-            bits = {}
-            for release in (False, True):
-                params = _new_params(shapes)
-                buf = _hooked_buffer(params, act, acc, release)
-                bits[release] = []
-                for step in range(2):
-                    for k in range(acc):
-                        _signed_zero_grads(params, k)
-                    buf.scale_grads()
-                    if act == HOOK_ACTION.REDUCE_SCATTER:  # this rank's piece of z
-                        read = [buf._sharding_param_grad_view[params[1]]._slice_grad]
-                    else:  # the reduce's owner (dst 1) alone reads the sum
-                        read = [params[1].grad] if act != HOOK_ACTION.REDUCE or rank == 1 else []
-                    assert len(read) == int(act != HOOK_ACTION.REDUCE or rank == 1)
-                    assert all(g is not None and g.numel() > 0 for g in read)
-                    bits[release].append([g.view(torch.int32).clone() for g in read])
-                    if release:
-                        buf._clear_grad_storage()
-                    else:
-                        for p in params:
-                            p.grad.zero_()
-            assert len(bits[False]) == len(bits[True]) == 2
-            for off, on in zip(bits[False], bits[True]):
-                assert len(off) == len(on)
-                for a, b in zip(off, on):
-                    assert torch.equal(a, b), (act, acc, a, b)
-                    assert torch.all(a == 0), "-0.0 + the zero buffer must give +0.0"
+    bits = {}
+    for act, acc, release, params, buf in _buckets(shapes, (1, 2)):
+        reads = act != REDUCE or rank == 1  # the reduce's owner (dst 1) alone reads the sum
+        bits[act, acc, release] = []
+        for step in range(2):
+            for k in range(acc):
+                _signed_zero_grads(params, k)
+            buf.scale_grads()
+            if act == REDUCE_SCATTER:  # this rank's piece of z
+                read = [buf._sharding_param_grad_view[params[1]]._slice_grad]
+            else:
+                read = [params[1].grad] if reads else []
+            assert len(read) == int(reads)
+            assert all(g is not None and g.numel() > 0 for g in read)
+            bits[act, acc, release].append([g.view(torch.int32).clone() for g in read])
+            _end_step(buf, params, release)
+    for (act, acc, release), on in bits.items():
+        if not release:
+            continue
+        off = bits[act, acc, False]
+        assert len(off) == len(on) == 2
+        for off_step, on_step in zip(off, on):
+            assert len(off_step) == len(on_step)
+            for a, b in zip(off_step, on_step):
+                assert torch.equal(a, b), (act, acc, a, b)
+                assert torch.all(a == 0), "-0.0 + the zero buffer must give +0.0"
 
 
-def _check_main_grad_before_hooks(rank, world):
-    """bf16 params, fp32 main grads, the buffer built before `register_main_grad_hooks`:
-    release on trains bitwise as off (construction reads no main_grad under release)."""
-    for act in (HOOK_ACTION.ALL_REDUCE, HOOK_ACTION.REDUCE_SCATTER):
+def _check_main_grad_before_hooks(rank: int, world: int) -> None:
+    """A buffer built before `register_main_grad_hooks` trains as release off."""
+    for act in (ALL_REDUCE, REDUCE_SCATTER):
         finals = {}
         for release in (False, True):
             params = _new_params([(6,), (3, 5)], torch.bfloat16)
             buf = FusedCommBuffer(0, params, None, 2, act, use_main_grad=True,
                                   release_grads=release)
             assert release or all(hasattr(p, "main_grad") for p in params)
-            if release:
-                assert buf.grad_storage is None and not any(hasattr(p, "main_grad")
-                                                            for p in params)
+            assert not release or buf.grad_storage is None
+            assert not release or not any(hasattr(p, "main_grad") for p in params)
             register_main_grad_hooks(params)
             for p in params:
                 p.register_post_accumulate_grad_hook(bw_hook_func(buf, p))
@@ -366,24 +335,23 @@ def _check_main_grad_before_hooks(rank, world):
                 buf.scale_grads()
                 assert all(p.grad is None and p.main_grad.dtype == torch.float32
                            for p in params)
-                with torch.no_grad():  # SGD, lr 1/8: v2 steps its shard, then all-gathers
-                    if act == HOOK_ACTION.REDUCE_SCATTER:
-                        for view in buf._sharding_param_grad_view.values():
-                            if view._slice_grad is not None:
-                                shard = buf.param_storage[view._param_begin : view._param_end]
-                                shard.sub_((0.125 * view._slice_grad).to(shard.dtype))
-                        buf.sync_params()
-                    else:
-                        for p in params:
-                            p.sub_((0.125 * p.main_grad).to(p.dtype))
-                if release:
-                    for p in params:
-                        p.main_grad = None
-                    buf._clear_grad_storage()
-                else:
-                    for p in params:
-                        p.main_grad.zero_()
+                _sgd_step(buf, params, act)
+                _end_step(buf, params, release)
             finals[release] = [p.detach().clone() for p in params]
         start = _new_params([(6,), (3, 5)], torch.bfloat16)
         assert not any(torch.equal(a, b) for a, b in zip(finals[True], start)), "no training"
         _assert_bitwise(finals[False], finals[True])
+
+
+@torch.no_grad()
+def _sgd_step(buf, params, act):
+    """SGD, lr 1/8, on the main grads: v2 steps its shard, then all-gathers."""
+    if act != REDUCE_SCATTER:
+        for p in params:
+            p.sub_((0.125 * p.main_grad).to(p.dtype))
+        return
+    for view in buf._sharding_param_grad_view.values():
+        if view._slice_grad is not None:
+            shard = buf.param_storage[view._param_begin : view._param_end]
+            shard.sub_((0.125 * view._slice_grad).to(shard.dtype))
+    buf.sync_params()

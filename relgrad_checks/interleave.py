@@ -1,60 +1,53 @@
-"""Rank-side checks of pipeline_schedules/interleave.py: the interleaved order by hand, training
-equal to plain 1F1B and to one process, per-chunk buffers released, errors on every rank."""
+"""Rank-side checks of the interleaved schedule (relgrad_extras/interleave.py): its order by hand,
+training equal to plain 1F1B and to one process, per-chunk buffers released, errors everywhere."""
 import copy
-import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from comm_buffer import FusedCommBuffer
 from relgrad_extras.grad_clip import ClipGradByGlobalNorm
 from pipeline import PipelineParallel
 from relgrad_extras.interleave import PipelineParallelWithInterleave
 from relgrad import HybridCommunicateGroup
-from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from relgrad_checks.common import (_replica_batch, _for, OPTIMIZERS, PIPE_SIZES, _assert_bitwise,
-                                   _assert_close_each, _assert_moved, _assert_same_state, _data,
-                                   _main_grad_oracle, _mse, _pipe_batches, _pipe_layers, _released,
-                                   _same_on_all, _strategy)
-from relgrad_checks.clipping import _tied_layers, _tied_oracle
-from relgrad_checks.pipe import _V1, _V2, _own_buffers, _pipe_oracle, _spy_collectives
+from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_bitwise, _assert_close_each,
+                                   _assert_same_state, _data, _mse, _pipe_layers, _releases,
+                                   _replica_batch, _same_on_all, _shard, _strategy)
+from relgrad_checks.clipping import _clipped_oracle, _tied_layers, _tied_oracle
+from relgrad_checks.pipe import _V1, _V2, _assert_like, _reference, _release_probe, _spy_collectives
 
 # ---- the interleaved order for pp 2 x 2 virtual stages, written out by hand ----
 # Read off the paper's Figure 4 rule (Narayanan et al. 2021): micro-batches go through chunk 0
 # in groups of P=2, then the same group through chunk 1; backwards take the chunks in reverse.
 # Warm-up: 2(P-s-1) + (V-1)P forwards, i.e. 4 on rank 0 and 2 on rank 1; then one forward,
-# one backward; then the remaining backwards. Entries: (F|B, micro-batch, virtual stage).
-F, B = "F", "B"
-ORDER = {
-    4: [  # accumulate_steps 4
-        [(F, 0, 0), (F, 1, 0), (F, 0, 1), (F, 1, 1),
-         (F, 2, 0), (B, 0, 1), (F, 3, 0), (B, 1, 1), (F, 2, 1), (B, 0, 0), (F, 3, 1), (B, 1, 0),
-         (B, 2, 1), (B, 3, 1), (B, 2, 0), (B, 3, 0)],
-        [(F, 0, 0), (F, 1, 0),
-         (F, 0, 1), (B, 0, 1), (F, 1, 1), (B, 1, 1), (F, 2, 0), (B, 0, 0), (F, 3, 0), (B, 1, 0),
-         (F, 2, 1), (B, 2, 1), (F, 3, 1), (B, 3, 1),
-         (B, 2, 0), (B, 3, 0)],
-    ],
-    8: [  # accumulate_steps 8
-        [(F, 0, 0), (F, 1, 0), (F, 0, 1), (F, 1, 1),
-         (F, 2, 0), (B, 0, 1), (F, 3, 0), (B, 1, 1), (F, 2, 1), (B, 0, 0), (F, 3, 1), (B, 1, 0),
-         (F, 4, 0), (B, 2, 1), (F, 5, 0), (B, 3, 1), (F, 4, 1), (B, 2, 0), (F, 5, 1), (B, 3, 0),
-         (F, 6, 0), (B, 4, 1), (F, 7, 0), (B, 5, 1), (F, 6, 1), (B, 4, 0), (F, 7, 1), (B, 5, 0),
-         (B, 6, 1), (B, 7, 1), (B, 6, 0), (B, 7, 0)],
-        [(F, 0, 0), (F, 1, 0),
-         (F, 0, 1), (B, 0, 1), (F, 1, 1), (B, 1, 1), (F, 2, 0), (B, 0, 0), (F, 3, 0), (B, 1, 0),
-         (F, 2, 1), (B, 2, 1), (F, 3, 1), (B, 3, 1), (F, 4, 0), (B, 2, 0), (F, 5, 0), (B, 3, 0),
-         (F, 4, 1), (B, 4, 1), (F, 5, 1), (B, 5, 1), (F, 6, 0), (B, 4, 0), (F, 7, 0), (B, 5, 0),
-         (F, 6, 1), (B, 6, 1), (F, 7, 1), (B, 7, 1),
-         (B, 6, 0), (B, 7, 0)],
-    ],
+# one backward; then the remaining backwards.
+def _order(text):
+    """[(F | B, micro-batch, virtual stage)] of "F0.0 F1.0 | ... | B3.0" (| between phases)."""
+    entries = []
+    for entry in text.split():
+        if entry != "|":
+            micro_batch, chunk = entry[1:].split(".")
+            entries.append((entry[0], int(micro_batch), int(chunk)))
+    return entries
+
+
+ORDER = {  # accumulate_steps: [rank 0's, rank 1's], warm-up | steady 1F1B | cool-down
+    4: [_order("F0.0 F1.0 F0.1 F1.1 | F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 |"
+               " B2.1 B3.1 B2.0 B3.0"),
+        _order("F0.0 F1.0 | F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 |"
+               " B2.0 B3.0")],
+    8: [_order("F0.0 F1.0 F0.1 F1.1 | F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 F4.0 B2.1"
+               " F5.0 B3.1 F4.1 B2.0 F5.1 B3.0 F6.0 B4.1 F7.0 B5.1 F6.1 B4.0 F7.1 B5.0 |"
+               " B6.1 B7.1 B6.0 B7.0"),
+        _order("F0.0 F1.0 | F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1"
+               " F4.0 B2.0 F5.0 B3.0 F4.1 B4.1 F5.1 B5.1 F6.0 B4.0 F7.0 B5.0 F6.1 B6.1"
+               " F7.1 B7.1 | B6.0 B7.0")],
 }
 # Where each chunk's collective is issued (acc 4), by Paddle's rule: over the last P*V = 4
 # backwards, count 1..4; chunk V-m fires at count m*P + stage, chunk 0 of stage 1 at count 4.
 # Rank 0's last backwards B2.1 B3.1 B2.0 B3.0: chunk 1 at B3.1, chunk 0 at B3.0.
 # Rank 1's last backwards B3.1 B2.0 B3.0 (count 2, 3, 4): chunk 1 at B2.0, chunk 0 at B3.0.
-FIRES_AT = [{1: (B, 3, 1), 0: (B, 3, 0)}, {1: (B, 2, 0), 0: (B, 3, 0)}]
+FIRES_AT = [{1: ("B", 3, 1), 0: ("B", 3, 0)}, {1: ("B", 2, 0), 0: ("B", 3, 0)}]
 
 
 def _interleaved(strategy, hcg, layers=None, vpp=2, bounds=None):
@@ -64,10 +57,8 @@ def _interleaved(strategy, hcg, layers=None, vpp=2, bounds=None):
                                           bounds)
 
 
-def schedule_and_errors(rank, world):
-    """pp 2, 2 virtual stages: the order for 4 and 8 micro-batches equals the hand-written
-    tables; the chunks hold layers s, s+P of the cut; eval equals one process; misuse raises
-    on every rank before any communication."""
+def schedule_and_errors(rank: int, world: int) -> None:
+    """pp 2, 2 virtual stages: the order is the table, chunks and eval right; misuse."""
     torch.manual_seed(0)
     for acc in (4, 8):
         strategy = _strategy(pp=2, acc=acc)
@@ -100,7 +91,6 @@ def schedule_and_errors(rank, world):
         PipelineParallel(_pipe_layers(), hcg, _strategy(pp=2, acc=4,
                                                         num_virtual_pipeline_stages=2), _mse)
     dist.barrier()  # both ranks got here: nobody is left in a receive
-    return "ok"
 
 
 # ---- training: interleaved == plain 1F1B (bitwise) == one process; release on == off ----
@@ -122,63 +112,9 @@ def _whole_model(model, hcg):
     return [merged[k] for k in sorted(merged)]
 
 
-def _probe(collectives, release, fires_at, overlap):
-    """train_batch, checking per chunk: one allocation per bucket, one collective per bucket
-    after the chunk's last backward (where Paddle fires it), every buffer freed after.
-    `overlap` (from the test's strategy): the pipeline builds buffers; without it v2's own
-    buffers are checked freed after the step with release, kept without."""
-    def probe(model, opt, data):
-        buffers = [b for bs in model._chunk_2_comm_buffers.values() for b in bs]
-        assert not release or all(b.grad_storage is None for b in buffers)
-        allocations = []
-        original = FusedCommBuffer._copy_grad_to_buffer
-
-        def spy(self, param):
-            if self.grad_storage is None:
-                allocations.append(self)
-            return original(self, param)
-
-        FusedCommBuffer._copy_grad_to_buffer = spy
-        collectives.clear()
-        try:
-            model._prepare_training(opt, None)
-            loss = model._schedule(data)  # as train_batch: no entry agreement in the window
-        finally:
-            FusedCommBuffer._copy_grad_to_buffer = original
-        by_chunk = model._chunk_2_comm_buffers
-        assert bool(by_chunk) == bool(model._comm_overlap) == overlap, (len(by_chunk), overlap)
-        own = _own_buffers(opt)
-        assert not (own and overlap), "v2 builds its own buffers only without pipeline overlap"
-        if model._comm_overlap:
-            assert sorted(by_chunk) == [0, 1] and all(by_chunk.values()), "a bucket per chunk"
-            assert model.accumulate_steps == 4 and fires_at is not None  # FIRES_AT's case
-        buffers = [b for bs in by_chunk.values() for b in bs]
-        for chunk, chunk_buffers in by_chunk.items():
-            last = model.schedule_trace.index(("B", model.accumulate_steps - 1, chunk))
-            for b in chunk_buffers:
-                when = [w for t, w in collectives if t is b.grad_storage]
-                assert when == [fires_at[chunk]], (chunk, when)
-                assert model.schedule_trace.index(when[0]) >= last
-        if release:  # exactly one allocation per bucket this step
-            assert sorted(map(id, allocations)) == sorted(map(id, buffers))
-        collectives.clear()  # it holds the buffers too
-        storages = [weakref.ref(b.grad_storage) for b in buffers]
-        model._optimizer_step()
-        params = list(model.parameters())
-        assert params
-        assert all((b.grad_storage is None) == release for b in buffers + own)
-        if release:
-            assert _released(*storages), "a released chunk buffer is still alive"
-            assert all(p.grad is None and getattr(p, "main_grad", None) is None
-                       for p in params)
-        return loss
-    return probe
-
-
 def _train(hcg, strategy, vpp, wrap, opt_name, dtype, main_grad, steps, mbs, probe=None,
            bounds=None, clip=None, keep=None):
-    """Losses and whole-model params after each step, trained with `vpp` virtual stages;
-    `keep` (a dict), if given, gets the "model" and the "opt"."""
+    """Losses and whole-model params per step with `vpp` virtual stages; `keep` gets model, opt."""
     layers = _tag_layers(dtype, main_grad)
     if vpp == 1:
         model = PipelineParallel(layers, hcg, strategy, _mse)
@@ -192,87 +128,50 @@ def _train(hcg, strategy, vpp, wrap, opt_name, dtype, main_grad, steps, mbs, pro
     losses, traj = [], []
     for step in range(steps):
         x, y = _replica_batch(hcg, strategy, step, mbs, dtype)
-        loss = (probe(model, opt, (x, y)) if probe
-                else model.train_batch((x, y), opt, grad_clip=clip))
-        losses.append(loss)
+        if probe:
+            losses.append(probe(model, opt, (x, y)))
+        else:
+            losses.append(model.train_batch((x, y), opt, grad_clip=clip))
         traj.append(_whole_model(model, hcg))
     return losses, traj
 
 
 def _check_case(hcg, base, wrap, opt_name="adam", dtype=torch.float32, main_grad=False,
                 steps=2, mbs=2, bounds=None):
-    replicas = base.dp_degree * base.sharding_degree
-    if main_grad:  # bitwise: one process summing the fp32 main grads in the ranks' order
-        replica = hcg.get_data_parallel_rank() * base.sharding_degree \
-            + hcg.get_sharding_parallel_rank()
-        oracle_losses, oracle, oracle_opt = _main_grad_oracle(
-            lambda: torch.nn.Sequential(*_pipe_layers(dtype)), opt_name, steps,
-            _pipe_batches(replicas, base.accumulate_steps, mbs, dtype))
-        _assert_moved(oracle, [p.detach() for l in _pipe_layers(dtype) for p in l.parameters()])
-        oracle_losses = [step_losses[replica] for step_losses in oracle_losses]
-    else:
-        oracle_losses, oracle = _pipe_oracle(opt_name, steps,
-                                             replicas * base.accumulate_steps * mbs, dtype)
-    assert len(oracle) == steps
+    """Release off and on: bitwise equal to plain 1F1B and per step like one process."""
+    reference = _reference(hcg, base, opt_name, dtype, main_grad, steps, mbs)
     args = (wrap, opt_name, dtype, main_grad, steps, mbs)
     plain = _train(hcg, base, 1, *args)
-    collectives, model_ref = [], [None]
-    restore = _spy_collectives(model_ref, collectives)
+    # the overlap cases are pp 2 x 4 micro-batches, whose firing table is FIRES_AT
+    fires_at = FIRES_AT[hcg.get_stage_id()] if base.pp_degree == 2 else None
+    overlap = base.pp_configs.sharding_comm_overlap or base.pp_configs.dp_comm_overlap
     runs = {}
-    try:
-        for release in (False, True):
-            strategy = copy.deepcopy(base)
-            strategy.pp_configs.release_gradients = release
-            # the overlap cases are pp 2 x 4 micro-batches, whose firing table is FIRES_AT
-            fires_at = FIRES_AT[hcg.get_stage_id()] if base.pp_degree == 2 else None
-            overlap = (base.pp_configs.sharding_comm_overlap
-                       or base.pp_configs.dp_comm_overlap)
-            probe = _probe(collectives, release, fires_at, overlap)
-
-            def tracked(model, opt, data, probe=probe):
-                model_ref[0] = model
-                return probe(model, opt, data)
-
+    with _spy_collectives() as seen:
+        for release, strategy in _releases(base):
             keep = {}
-            runs[release] = _train(hcg, strategy, 2, *args, probe=tracked, bounds=bounds,
-                                   keep=keep)
+            runs[release] = _train(hcg, strategy, 2, *args, bounds=bounds, keep=keep,
+                                   probe=_release_probe(seen, release, overlap, fires_at))
             if main_grad:  # this rank's fp32 masters and Adam's state too
-                _assert_same_state(keep["opt"], oracle_opt,
+                _assert_same_state(keep["opt"], reference[2],
                                    [p.whole_model_index for p in keep["model"].parameters()])
-    finally:
-        restore()
     assert sorted(runs) == [False, True] and len(plain[0]) == len(plain[1]) == steps
     for release, (losses, traj) in runs.items():
-        assert len(losses) == len(traj) == steps
-        # interleaved == plain 1F1B bitwise: same per-param sums in the same micro-batch order
         _assert_bitwise(losses, plain[0], release)
         _assert_bitwise(traj, plain[1])
-        for loss, got, want_loss, want in zip(losses, traj, oracle_losses, oracle):
-            assert len(got) == len(want) > 0, (len(got), len(want))
-            if main_grad:
-                assert torch.equal(loss, want_loss), (loss, want_loss)
-                _assert_bitwise(got, want, release)
-                continue
-            mean = loss.clone()
-            dist.all_reduce(mean)
-            torch.testing.assert_close(mean / dist.get_world_size(), want_loss,
-                                       rtol=1e-5, atol=1e-6)
-            _assert_close_each(got, want, rtol=1e-5, atol=1e-6)
+        _assert_like(reference, losses, traj, what=release)
 
 
-def pp_only(rank, world):
-    """pp 2, 2 virtual stages (2 ranks): 4 micro-batches with SGD, Adam and delay_scale_loss,
-    and 2 (= pp, so rank 0 runs every forward in its warm-up), release off and on."""
+def pp_only(rank: int, world: int) -> None:
+    """pp 2, 2 virtual stages, 4 and 2 micro-batches, release off / on; then clipped."""
     for acc, opt_name, delay in ((4, "sgd", False), (4, "adam", False), (4, "sgd", True),
                                  (2, "sgd", False)):
         strategy = _strategy(pp=2, acc=acc, delay_scale_loss=delay)
         _check_case(HybridCommunicateGroup(strategy), strategy, None, opt_name)
-    # global-norm clipping (grad_clip/) over the chunks, against one process clipping with
-    # torch's clip_grad_norm_ (the norm stays above clip_norm, where Paddle's coefficient
-    # clip / (norm + 1e-6) is torch's); vpp 1 and 2 close, not bitwise: the norm's per-rank
-    # partial sums differ (other params per rank)
+    # the norm stays above clip_norm, where Paddle's coefficient clip / (norm + 1e-6) is
+    # torch's; vpp 1 and 2 close, not bitwise: the norm's per-rank partial sums differ
     steps, clip = 3, 0.05
-    want_norms, want = _clipped_oracle(steps, clip, batch=4 * 2)
+    want_norms, want = _clipped_oracle(torch.nn.Sequential(*_pipe_layers()), steps, clip,
+                                       lambda step: _data(step, 4 * 2, 6, 4))
     assert len(want_norms) == steps and min(want_norms) > clip  # the clip is active
     strategy = _strategy(pp=2, acc=4)
     hcg = HybridCommunicateGroup(strategy)
@@ -281,23 +180,17 @@ def pp_only(rank, world):
         grad_clip = _RecordingClip(clip)
         runs.append(_train(hcg, strategy, vpp, None, "sgd", torch.float32, False, steps, 2,
                            clip=grad_clip))
-        assert len(grad_clip.norms) == steps, len(grad_clip.norms)
         _assert_close_each(grad_clip.norms, want_norms, rtol=1e-5, atol=0)
-        losses, traj = runs[-1]
-        assert len(traj) == steps
-        for got, w in zip(traj, want):
-            assert len(got) == len(w) > 0, (len(got), len(w))
-            _assert_close_each(got, w, rtol=1e-5, atol=1e-6)
+        _assert_close_each(runs[-1][1], want)
     (l1, t1), (l2, t2) = runs
     torch.testing.assert_close(l1, l2, rtol=1e-6, atol=0)
     _assert_close_each(t1, t2, rtol=1e-6, atol=1e-7)
-    return "ok"
 
 
 class _RecordingClip(ClipGradByGlobalNorm):
     """ClipGradByGlobalNorm that keeps each call's global norm."""
 
-    def __init__(self, clip_norm):
+    def __init__(self, clip_norm: float) -> None:
         super().__init__(clip_norm)
         self.norms = []
 
@@ -307,25 +200,8 @@ class _RecordingClip(ClipGradByGlobalNorm):
         return out
 
 
-def _clipped_oracle(steps, clip, batch):
-    """One process, the whole model and batch, SGD (as OPTIMIZERS["sgd"]) after torch's
-    clip_grad_norm_: (norms, params after each step)."""
-    model = torch.nn.Sequential(*_pipe_layers())
-    opt = OPTIMIZERS["sgd"](model.parameters())
-    norms, traj = [], []
-    for step in range(steps):
-        x, y = _data(step, batch, PIPE_SIZES[0], PIPE_SIZES[-1])
-        _mse(model(x), y).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
-        opt.step()
-        opt.zero_grad()
-        traj.append([p.detach().clone() for p in model.parameters()])
-    return norms, traj
-
-
-def with_sharding_and_dp(rank, world):
-    """pp 2 x sharding 2 (v1, v2; overlap on and off; v2 with bf16 params and fp32 main grads),
-    pp 2 x dp 2 with dp overlap, and pp 4 (4 and 8 micro-batches), 2 virtual stages, 4 ranks."""
+def with_sharding_and_dp(rank: int, world: int) -> None:
+    """2 virtual stages beside sharding v1 / v2 (main grads), dp 2, and on pp 4."""
     for version, overlap, main_grad in ((1, True, False), (1, False, False), (2, True, False),
                                         (2, False, False), (2, True, True)):
         strategy = _strategy(pp=2, sharding=2, acc=4, sharding_comm_overlap=overlap,
@@ -342,13 +218,10 @@ def with_sharding_and_dp(rank, world):
         strategy = _strategy(pp=4, acc=acc)
         _check_case(HybridCommunicateGroup(strategy), strategy, None, "sgd",
                     bounds=[0, 1, 3, 5, 7, 7, 7, 7, 7])
-    return "ok"
 
 
-def tied_weights(rank, world, steps=3, clip=0.05):
-    """pp 2 x sharding 2, 2 virtual stages, v1 / v2 with overlap and v1 without, release on:
-    a weight tied between chunk 0 (rank 0) and chunk 3 (rank 1) stays bitwise equal on all
-    ranks, and training (clipped) equals one process using one weight twice."""
+def tied_weights(rank: int, world: int, steps: int = 3, clip: float = 0.05) -> None:
+    """pp 2 x sharding 2, 2 virtual stages: a tie of chunks 0 and 3 trains as one weight."""
     batch = 2 * 2 * 2  # replicas x micro-batches x samples
     oracle_norms, oracle = _tied_oracle(steps, clip, batch)
     for version, overlap in ((1, True), (2, True), (1, False)):
@@ -363,8 +236,7 @@ def tied_weights(rank, world, steps=3, clip=0.05):
         assert getattr(tied, "is_firstly_shared", True) == (stage == 0)
         grad_clip = ClipGradByGlobalNorm(clip)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        cls = DygraphShardingOptimizerV2 if version == 2 else DygraphShardingOptimizer
-        opt = cls(opt, hcg, _for(cls, strategy), grad_clip=grad_clip)
+        opt = _shard(version, opt, hcg, strategy, grad_clip=grad_clip)
         for step in range(steps):
             x, y = (t.chunk(2)[replica] for t in _data(step, batch, 8, 8))
             model.train_batch((x, y), opt)
@@ -374,4 +246,3 @@ def tied_weights(rank, world, steps=3, clip=0.05):
             want = [oracle[step][i] for i in ((0, 3) if stage == 0 else (2, 5))]
             for got, w in zip(model.parameters(), want):
                 torch.testing.assert_close(got.detach(), w, rtol=1e-5, atol=1e-6)
-    return "ok"

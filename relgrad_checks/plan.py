@@ -1,11 +1,6 @@
-"""Checks of `--plan` (relgrad_demo/plan.py): its plain-Python layout against the core's torch code.
-
-The plan recomputes Paddle's layout rules without torch (slots, reduce-scatter shards, buckets,
-v1's owners); here each rule is compared with the code that lays out the real buffers and
-owners: `comm_buffer.flatten_dense_tensors`, `build_reduce_scatter_buffer`,
-`assign_group_by_size` and `DygraphShardingOptimizer._partition_parameters`. One process, no
-ranks: the layout functions need none.
-"""
+"""Checks of `--plan` (relgrad_demo/plan.py): its plain-Python layout against the core's torch code
+(`flatten_dense_tensors`, `build_reduce_scatter_buffer`, `assign_group_by_size`, v1's
+`_partition_parameters`), in one process."""
 import types
 
 import torch
@@ -19,10 +14,8 @@ from sharding import DygraphShardingOptimizer
 SIZES = [1000, 300, 20, 4096, 1, 129, 12288, 64, 65, 70001, 7, 511, 512, 513, 128, 3]
 
 
-def layout_mismatches():
-    """Every place where the plan's arithmetic and the core's layout disagree (a list of
-    lines; empty when they agree), over SIZES in fp32 and bf16, 1-8 ranks and four bucket
-    sizes."""
+def layout_mismatches() -> list:
+    """Where the plan's arithmetic and the core's layout disagree (fp32, bf16, 1-8 ranks)."""
     problems = []
     for dtype in (torch.float32, torch.bfloat16):
         elem = dtype.itemsize
@@ -60,9 +53,8 @@ def layout_mismatches():
     return problems
 
 
-def main_job_opts(config, trace):
-    """The main job's opts (relgrad_demo.cli) of a run, from its --json `config`; `trace`: a
-    path if the run wrote a --trace (its recorder's events are part of what a rank holds)."""
+def main_job_opts(config: dict, trace: str | None) -> dict:
+    """The main job's cli opts from its --json `config`; `trace`: the path it wrote, if any."""
     from relgrad_demo import cli
     argv = ["--pp", config["pp_degree"], "--sharding", config["sharding_degree"], "--dp",
             config["dp_degree"], "--micro-batches", config["accumulate_steps"],

@@ -8,14 +8,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import comm_buffer
-from comm_buffer import HOOK_ACTION, FusedCommBuffer
+from comm_buffer import HOOK_ACTION, main_grad_or_grad
 from pipeline import PipelineParallel
 from relgrad import DygraphShardingConfig, HybridCommunicateGroup, HybridStrategy, PpConfig
 from sharding import DygraphShardingOptimizer, DygraphShardingOptimizerV2
-from relgrad_checks.common import (_for, OPTIMIZERS, PIPE_SIZES, _assert_bitwise,
-                                   _assert_close_each, _data, _io, _mlp, _mse, _oracle,
-                                   _pipe_layers, _released, _same_on_all)
+from relgrad_checks.common import (OPTIMIZERS, PIPE_SIZES, _assert_bitwise, _assert_close_each,
+                                   _data, _io, _mlp, _mse, _oracle, _params, _pipe_layers,
+                                   _released, _same_on_all, _shard, _spy_buffers)
 
 
 class _SmallBucketsV2(DygraphShardingOptimizerV2):
@@ -23,6 +22,20 @@ class _SmallBucketsV2(DygraphShardingOptimizerV2):
 
     def _build_comm_buffers(self, acc_steps, group_size=None):
         super()._build_comm_buffers(acc_steps, group_size=512)
+
+
+class _SmallBucketsV1(DygraphShardingOptimizer):
+    """v1 with 1-byte buckets under comm_overlap: one bucket per param."""
+
+    def _build_owner_buffers(self, acc_steps, group_size=None):
+        super()._build_owner_buffers(acc_steps, group_size=1)
+
+
+class _OneParamBucketsV2(DygraphShardingOptimizerV2):
+    """v2 with 1-byte buckets: one bucket per param."""
+
+    def _build_comm_buffers(self, acc_steps, group_size=None):
+        super()._build_comm_buffers(acc_steps, group_size=1)
 
 
 _CLASSES = {1: DygraphShardingOptimizer, 2: _SmallBucketsV2}
@@ -36,6 +49,13 @@ def _own_strategy(sharding, acc, release, free=False, overlap=True):
                                                comm_overlap=overlap, free_grads_in_comm=free))
 
 
+def _counts(record):
+    """(bucket-size allocations, grads moved in at a first check-in) seen by `_spy_buffers`."""
+    return len(record["zeros"]), sum(first for _, first, _ in record["copies"])
+
+
+# ---------------------------------------------------------------- watching a bucket's collective
+
 def _read_part(buf, rank):
     """What this rank reads of `buf` after its collective: v2 its shard, v1 the owner all."""
     if buf._act == HOOK_ACTION.REDUCE_SCATTER:
@@ -47,11 +67,7 @@ def _read_part(buf, rank):
 
 
 def _watch(buf, record, free, timing=None, buffers=()):
-    """Wrap `buf._complete_comm` (this instance; `scale_grads` or, with free_grads_in_comm,
-    a later check-in calls it): record the read part right after the collective and, with
-    free, check that the rest is dead and the read part is a storage of its own. With
-    `timing` ({"in_backward": bool, "entries": list}), append whether this happened in
-    backward while some bucket of `buffers` was still being filled (no collective issued)."""
+    """Wrap `_complete_comm`: record the read part, check the rest freed (free) and when."""
     original = buf._complete_comm
 
     def complete_comm():
@@ -59,36 +75,20 @@ def _watch(buf, record, free, timing=None, buffers=()):
             timing["entries"].append(timing["in_backward"]
                                      and any(b._task is None for b in buffers))
         full = weakref.ref(buf.grad_storage)
-        grads = [weakref.ref(comm_buffer.main_grad_or_grad(p)) for p in buf.params]
-        muls, scaled = {name: getattr(torch.Tensor, name) for name in ("mul_", "__mul__")}, []
-
-        def counting(name):
-            def mul(tensor, *args):
-                scaled.append(tensor.numel())
-                return muls[name](tensor, *args)
-            return mul
-
-        for name in muls:
-            setattr(torch.Tensor, name, counting(name))
-        try:
-            original()
-        finally:
-            for name, fn in muls.items():
-                setattr(torch.Tensor, name, fn)
+        grads = [weakref.ref(main_grad_or_grad(p)) for p in buf.params]
+        scaled = _counting_muls(original)
         part = _read_part(buf, buf._comm_group_rank)
         buf._completions += 1  # keyed: with free the buckets complete in issue order
         record.append(((buf._watch_index, buf._completions),
                        None if part is None else part.clone()))
         # only what this rank reads is scaled (Paddle scales the whole buffer)
         assert scaled == ([] if part is None else [part.numel()]), scaled
-        if not free:
-            return
-        if part is None:  # v1, not the owner: nothing of the bucket is left
+        if free and part is None:  # v1, not the owner: nothing of the bucket is left
             assert buf.grad_storage is None and _released(full, *grads), \
                 "a non-owner still holds the reduced bucket"
-        elif buf._act == HOOK_ACTION.REDUCE:  # v1, the owner: everything stays
+        elif free and buf._act == HOOK_ACTION.REDUCE:  # v1, the owner: everything stays
             assert buf.grad_storage is full() and all(g() is not None for g in grads)
-        else:  # v2: only the shard, a storage of its own that the slice grads view
+        elif free:  # v2: only the shard, a storage of its own that the slice grads view
             assert _released(full, *grads), "the full buffer outlived the reduce-scatter"
             assert part.untyped_storage().nbytes() == part.numel() * part.element_size()
             base = part.untyped_storage().data_ptr()
@@ -105,136 +105,142 @@ def _watch(buf, record, free, timing=None, buffers=()):
 _watched = []  # one entry per watched buffer: gives each its index (the same order per run)
 
 
-def _train_own(hcg, version, strategy, steps=3, batch=24, watch=None, free=False,
-               counts=None):
-    """No pipeline: each sharding rank trains on its slice of the batch in `acc` micro-batches;
-    returns the params after each step. With free and v1 without overlap, checks after each
-    step() that only the owned params kept their grads."""
+def _counting_muls(fn):
+    """Call `fn()`; return the numel of each tensor multiplied (mul_ or *) meanwhile."""
+    muls, scaled = {name: getattr(torch.Tensor, name) for name in ("mul_", "__mul__")}, []
+
+    def counting(name):
+        def mul(tensor, *args):
+            scaled.append(tensor.numel())
+            return muls[name](tensor, *args)
+        return mul
+
+    for name in muls:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        fn()
+    finally:
+        for name, original in muls.items():
+            setattr(torch.Tensor, name, original)
+    return scaled
+
+
+def _assert_same_runs(parts, trajs, buckets=True):
+    """Same read parts per (bucket, n-th completion), and same params, as release off."""
+    assert len(parts[False]) == len(parts[True]) and (len(parts[True]) > 0) == buckets
+    # both runs watched their buckets in the same order: shift the indices to start at 0
+    keyed = {}
+    for free, pairs in parts.items():
+        first = min((key[0] for key, _ in pairs), default=0)
+        keyed[free] = {(key[0] - first, key[1]): part for key, part in pairs}
+        assert len(keyed[free]) == len(pairs)
+    assert keyed[False].keys() == keyed[True].keys()
+    for key, a in keyed[False].items():
+        b = keyed[True][key]
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), key
+    assert any(a is not None for a in keyed[True].values()) == buckets
+    _assert_bitwise(trajs[False], trajs[True])
+
+
+# ---------------------------------------------------------------- sharding's own overlap
+
+def _train_own(hcg, cls, strategy, watch=None, free=False, record=None, timing=None):
+    """3 steps of `acc` micro-batches on this rank's slice of 24 rows: the params per step.
+    With `timing`, on a 6-param MLP whose layers' backward sleeps 5 ms (gloo finishes)."""
     group_rank, nranks = dist.get_rank(), dist.get_world_size()
     acc = strategy.sharding_configs.accumulate_steps
     overlap = strategy.sharding_configs.comm_overlap
-    model = _mlp([6, 16, 4])
-    opt = _CLASSES[version](OPTIMIZERS["adam"](model.parameters()),
-                            hcg, _for(_CLASSES[version], strategy))
+    if timing is None:
+        timing = {"in_backward": False, "entries": []}
+        model = _mlp([6, 16, 4])
+    else:
+        model = _mlp([6, 16, 16, 4])
+        for layer in model:
+            layer.register_full_backward_pre_hook(lambda *_: time.sleep(0.005))
+    opt = _shard(cls, OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
     buffers = opt.comm_buffers
-    if watch is not None:
-        for buf in buffers:
-            _watch(buf, watch, free)
+    for buf in buffers:
+        if watch is not None:
+            _watch(buf, watch, free, timing, buffers)
     traj = []
-    for step in range(steps):
-        x, y = (t.chunk(nranks)[group_rank] for t in _data(step, batch, *_io(model)))
-        for k, (xb, yb) in enumerate(zip(x.chunk(acc), y.chunk(acc))):
+    for step in range(3):
+        x, y = (t.chunk(nranks)[group_rank] for t in _data(step, 24, *_io(model)))
+        for xb, yb in zip(x.chunk(acc), y.chunk(acc)):
             assert all(b._task is None for b in buffers), "a collective fired too early"
-            (F.mse_loss(model(xb), yb) / acc).backward()
+            loss = F.mse_loss(model(xb), yb) / acc
+            timing["in_backward"] = True
+            loss.backward()
+            timing["in_backward"] = False
         assert all((b._task is not None) == overlap for b in buffers), "no collective issued"
-        if counts is not None:
-            with _counting(counts, buffers):
-                opt.step()
-        else:
+        with _spy_buffers({b.buffer_size for b in buffers}) as seen:
             opt.step()
-        if free and version == 1 and not overlap:
+        if record is not None:
+            record["zeros"] += seen["zeros"]
+            record["copies"] += seen["copies"]
+        if free and not issubclass(cls, DygraphShardingOptimizerV2) and not overlap:
             owned = [opt._param2rank[p] == group_rank for p in model.parameters()]
             assert [p.grad is not None for p in model.parameters()] == owned
         opt.zero_grad(set_to_none=strategy.pp_configs.release_gradients)
-        traj.append([p.detach().clone() for p in model.parameters()])
-    return traj, model, opt
+        traj.append(_params(model))
+    return traj
 
 
-class _counting:
-    """Count torch.zeros of a bucket's size and _copy_grad_to_buffer calls inside the block."""
-
-    def __init__(self, counts, buffers):
-        self.counts, self.sizes = counts, {b.buffer_size for b in buffers}
-
-    def __enter__(self):
-        self.zeros, self.copy = torch.zeros, FusedCommBuffer._copy_grad_to_buffer
-        counts, sizes, zeros, copy_ = self.counts, self.sizes, self.zeros, self.copy
-
-        def counting_zeros(*args, **kwargs):
-            if args and args[0] in sizes:
-                counts["zeros"] += 1
-            return zeros(*args, **kwargs)
-
-        def counting_copy(buf, param):  # a call that moves a grad in (the first check-in)
-            counts["copies"] += buf._params_step_dict.get(param) == 0
-            return copy_(buf, param)
-
-        torch.zeros, FusedCommBuffer._copy_grad_to_buffer = counting_zeros, counting_copy
-
-    def __exit__(self, *exc):
-        torch.zeros, FusedCommBuffer._copy_grad_to_buffer = self.zeros, self.copy
-
-
-def own_overlap(rank, world):
-    """Sharding's own comm overlap without a pipeline, v1 and v2, acc 1 and 4, release off
-    and on: equal to one process, release on == off bitwise; with release one allocation per
-    bucket per step, during backward, and no copy at step(); misuse raises on every rank."""
+def own_overlap(rank: int, world: int) -> None:
+    """Own overlap, v1 and v2, acc 1 and 4: one process, on == off, one allocation, misuse."""
     hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
     for version in (1, 2):
         for acc in (1, 4):
             oracle = _oracle(lambda: _mlp([6, 16, 4]), "adam", 3, 24)
             trajs = {}
             for release in (False, True):
-                st = _own_strategy(world, acc, release)
-                counts = {"zeros": 0, "copies": 0}
-                model_counts = counts if release else None
-                trajs[release], model, opt = _train_own(hcg, version, st, counts=model_counts)
-                if release:
-                    assert counts == {"zeros": 0, "copies": 0}, counts
-                for got, want in zip(trajs[release], oracle):
-                    _assert_close_each(got, want, rtol=1e-5, atol=1e-6)
-                    assert _same_on_all(got)
+                record, st = {"zeros": [], "copies": []}, _own_strategy(world, acc, release)
+                trajs[release] = _train_own(hcg, _CLASSES[version], st, record=record)
+                assert not release or _counts(record) == (0, 0), _counts(record)
+                _assert_close_each(trajs[release], oracle)
+                assert all(_same_on_all(got) for got in trajs[release])
             _assert_bitwise(trajs[False], trajs[True])
         _check_one_allocation_per_bucket(hcg, version, world)
         _check_own_overlap_misuse(hcg, version, world)
     _check_config_errors(hcg, world)
-    return "ok"
 
 
 def _check_one_allocation_per_bucket(hcg, version, world):
-    """Release on, acc 2: per step each bucket allocates its buffer once, at its first
-    check-in in the first backward; step() neither allocates nor copies."""
-    st = _own_strategy(world, 2, True)
+    """Release, acc 2: one allocation per bucket and step, none at step()."""
     model = _mlp([6, 16, 4])
-    opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()), hcg, _for(_CLASSES[version], st))
+    opt = _shard(_CLASSES[version], OPTIMIZERS["sgd"](model.parameters()), hcg,
+                 _own_strategy(world, 2, True))
     buffers = opt.comm_buffers
+    sizes = {b.buffer_size for b in buffers}
     assert len(buffers) >= 2
     for step in range(3):
         x, y = _data(step, 8, 6, 4)
         for k, (xb, yb) in enumerate(zip(x.chunk(2), y.chunk(2))):
-            counts = {"zeros": 0, "copies": 0}
-            with _counting(counts, buffers):
+            with _spy_buffers(sizes) as record:
                 (F.mse_loss(model(xb), yb) / 2).backward()
             n_params = sum(len(b.params) for b in buffers)
-            first = k == 0
-            assert counts == {"zeros": len(buffers) if first else 0,
-                              "copies": n_params if first else 0}, (k, counts)
-        counts = {"zeros": 0, "copies": 0}
-        with _counting(counts, buffers):
+            want = (len(buffers), n_params) if k == 0 else (0, 0)
+            assert _counts(record) == want, (k, _counts(record))
+        with _spy_buffers(sizes) as record:
             opt.step()
-        assert counts == {"zeros": 0, "copies": 0}, counts
+        assert _counts(record) == (0, 0), _counts(record)
         opt.zero_grad()
         assert all(b.grad_storage is None for b in buffers)
 
 
 def _check_own_overlap_misuse(hcg, version, world):
-    """An unused param, too few and too many backward passes: ValueError on every rank, and
-    the group is still usable afterwards (nothing left in flight)."""
+    """An unused param, too few or too many backward passes raise everywhere."""
     for release in (False, True):
         st = _own_strategy(world, 2, release)
         model = nn.ModuleList([_mlp([6, 16, 4]), nn.Linear(3, 3)])  # [1] is never called
-        opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()),
-                                hcg, _for(_CLASSES[version], st))
+        opt = _shard(_CLASSES[version], OPTIMIZERS["sgd"](model.parameters()), hcg, st)
         x, y = _data(0, 8, 6, 4)
         for _ in range(2):
             F.mse_loss(model[0](x), y).backward()
         with pytest.raises(ValueError, match="did not get accumulate_steps=2"):
             opt.step()
         assert _same_on_all([torch.ones(3)])
-
         model = _mlp([6, 16, 4])
-        opt = _CLASSES[version](OPTIMIZERS["sgd"](model.parameters()),
-                                hcg, _for(_CLASSES[version], st))
+        opt = _shard(_CLASSES[version], OPTIMIZERS["sgd"](model.parameters()), hcg, st)
         F.mse_loss(model(x), y).backward()  # 1 of 2 micro-batches
         with pytest.raises(ValueError, match="did not get accumulate_steps=2"):
             opt.step()
@@ -253,26 +259,22 @@ def _check_config_errors(hcg, world):
     with pytest.raises(ValueError, match="comm_overlap is sharding's own overlap"):
         HybridStrategy(pp_degree=2, sharding_configs=DygraphShardingConfig(comm_overlap=True))
     for version in (1, 2):
-        st = _own_strategy(world, 1, True, free=True)
-        st.pp_configs.release_gradients = False  # past HybridStrategy's own check
-        with pytest.raises(ValueError, match="free_grads_in_comm needs release"):
-            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()),
-                              hcg, _for(_CLASSES[version], st))
-        st = _own_strategy(world, 1, True)
-        st.pp_configs.sharding_comm_overlap = True
-        with pytest.raises(ValueError, match="cannot both be on"):
-            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()),
-                              hcg, _for(_CLASSES[version], st))
-        st = _own_strategy(world, 1, True)
-        st.pp_degree = 2
-        with pytest.raises(ValueError, match="needs pp_degree 1 .*, got 2 and False"):
-            _CLASSES[version](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()),
-                              hcg, _for(_CLASSES[version], st))
+        free = _own_strategy(world, 1, True, free=True)
+        free.pp_configs.release_gradients = False  # past HybridStrategy's own check
+        both = _own_strategy(world, 1, True)
+        both.pp_configs.sharding_comm_overlap = True
+        piped = _own_strategy(world, 1, True)
+        piped.pp_degree = 2
+        for st, match in ((free, "free_grads_in_comm needs release"),
+                          (both, "cannot both be on"),
+                          (piped, "needs pp_degree 1 .*, got 2 and False")):
+            with pytest.raises(ValueError, match=match):
+                _shard(_CLASSES[version], OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, st)
     st = _own_strategy(world, 1, True, free=True, overlap=False)
     st.pp_configs.delay_scale_loss = True
     with pytest.raises(ValueError, match="free_grads_in_comm with split_param: "
                                          "delay_scale_loss would miss"):
-        _CLASSES[2](OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, _for(_CLASSES[2], st))
+        _shard(_CLASSES[2], OPTIMIZERS["sgd"](_mlp([2, 2]).parameters()), hcg, st)
     params = [nn.Parameter(torch.zeros(3))]
     from relgrad_extras.free_in_comm import FreeInCommBuffer  # [later]: a plug-in
     with pytest.raises(ValueError, match="needs release_grads=True"):
@@ -281,51 +283,27 @@ def _check_config_errors(hcg, world):
         FreeInCommBuffer(0, params, None, act=HOOK_ACTION.ALL_REDUCE, release_grads=True)
 
 
-def free_in_comm(rank, world):
-    """No pipeline, v1 and v2, own overlap with acc 1 and 4 and, acc 1, the path without it
-    (reduce at step()), 3 steps each: release + free_grads_in_comm
-    gives params bitwise equal to release off; right after each bucket's collective the part
-    this rank will not read is dead and the part it reads is alive and bitwise as with
-    release off."""
+# ---------------------------------------------------------------- free_grads_in_comm
+
+def free_in_comm(rank: int, world: int) -> None:
+    """v1 and v2, own overlap (acc 1, 4) or none: free_grads_in_comm frees the unread part."""
     hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
     for version in (1, 2):
         for acc, overlap in ((1, True), (4, True), (1, False)):  # without: step() reduces
-            parts, trajs = {}, {}
+            parts, trajs = {False: [], True: []}, {}
             for free in (False, True):
-                parts[free] = []
                 st = _own_strategy(world, acc, release=free, free=free, overlap=overlap)
-                trajs[free], _, _ = _train_own(hcg, version, st, watch=parts[free], free=free)
+                trajs[free] = _train_own(hcg, _CLASSES[version], st, watch=parts[free], free=free)
             _assert_same_runs(parts, trajs, buckets=overlap or version == 2)
-    return "ok"
 
 
-def _assert_same_runs(parts, trajs, buckets=True):
-    """Same read parts per (bucket, completion) and same params; `parts[free]` lists
-    ((bucket watch index, n-th completion), part) pairs."""
-    assert len(parts[False]) == len(parts[True]) and (len(parts[True]) > 0) == buckets
-    # both runs watched their buckets in the same order: shift the indices to start at 0
-    keyed = {}
-    for free, pairs in parts.items():
-        first = min((key[0] for key, _ in pairs), default=0)
-        keyed[free] = {(key[0] - first, key[1]): part for key, part in pairs}
-        assert len(keyed[free]) == len(pairs)
-    assert keyed[False].keys() == keyed[True].keys()
-    for key, a in keyed[False].items():
-        b = keyed[True][key]
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), key
-    assert any(a is not None for a in keyed[True].values()) == buckets
-    _assert_bitwise(trajs[False], trajs[True])
-
-
-def free_in_comm_pipeline(rank, world):
-    """pp 2 x sharding 2, pipeline sharding comm overlap, v1 and v2, acc 1 and 4: the same
-    checks as `free_in_comm`, on the pipeline's buffers."""
+def free_in_comm_pipeline(rank: int, world: int) -> None:
+    """`free_in_comm`'s checks on the pipeline's buffers (pp 2 x sharding 2)."""
     hcg = None
     for version in (1, 2):
         for acc in (1, 4):
-            parts, trajs = {}, {}
+            parts, trajs = {False: [], True: []}, {}
             for free in (False, True):
-                parts[free] = []
                 st = HybridStrategy(
                     pp_degree=2, sharding_degree=2, accumulate_steps=acc,
                     pp_configs=PpConfig(release_gradients=free, sharding_comm_overlap=True),
@@ -334,25 +312,23 @@ def free_in_comm_pipeline(rank, world):
                 hcg = hcg or HybridCommunicateGroup(st)
                 trajs[free] = _train_pipe(hcg, version, st, parts[free], free)
             _assert_same_runs(parts, trajs)
-    return "ok"
 
 
-def _train_pipe(hcg, version, strategy, record, free, steps=3, mbs=2):
+def _train_pipe(hcg, version, strategy, record, free, mbs=2):
     model = PipelineParallel(_pipe_layers(), hcg, strategy, _mse)
-    cls = DygraphShardingOptimizerV2 if version == 2 else DygraphShardingOptimizer
-    opt = cls(OPTIMIZERS["adam"](model.parameters()), hcg, _for(cls, strategy))
+    opt = _shard(version, OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
     acc, replica = strategy.accumulate_steps, hcg.get_sharding_parallel_rank()
     if free:  # at the optimizer step the freed grads are still gone (v2: all params' grads,
         inner_step = opt._inner_opt.step  # v1: those this rank does not own)
 
         def checked_step(*args, **kwargs):
-            assert all(comm_buffer.main_grad_or_grad(p) is None for p in model.parameters()
+            assert all(main_grad_or_grad(p) is None for p in model.parameters()
                        if version == 2 or opt._param2rank[p] != replica), "freed grads are back"
             return inner_step(*args, **kwargs)
 
         opt._inner_opt.step = checked_step
     traj = []
-    for step in range(steps):
+    for step in range(3):
         x, y = (t.chunk(2)[replica]
                 for t in _data(step, 2 * acc * mbs, PIPE_SIZES[0], PIPE_SIZES[-1]))
         model._prepare_training(opt, None)
@@ -361,88 +337,42 @@ def _train_pipe(hcg, version, strategy, record, free, steps=3, mbs=2):
                 _watch(buf, record, free)
         model.forward_backward_pipeline((x, y))
         model._optimizer_step()
-        traj.append([p.detach().clone() for p in model.parameters()])
+        traj.append(_params(model))
     return traj
 
 
-class _SmallBucketsV1(DygraphShardingOptimizer):
-    """v1 with 1-byte buckets under comm_overlap: one bucket per param."""
-
-    def _build_owner_buffers(self, acc_steps, group_size=None):
-        super()._build_owner_buffers(acc_steps, group_size=1)
-
-
-class _OneParamBucketsV2(DygraphShardingOptimizerV2):
-    """v2 with 1-byte buckets: one bucket per param."""
-
-    def _build_comm_buffers(self, acc_steps, group_size=None):
-        super()._build_comm_buffers(acc_steps, group_size=1)
-
-
-def free_during_backward(rank, world):
-    """Own overlap, v1 and v2, acc 1 and 4, 6 buckets: with free_grads_in_comm each bucket's
-    collective completes, and what this rank will not read is dead (weakref), during the
-    last backward while later buckets are still being filled (all but the last two); the
-    read parts and the params equal release off bitwise."""
+def free_during_backward(rank: int, world: int) -> None:
+    """6 buckets, v1, v2, acc 1, 4: free completes collectives in the last backward."""
     hcg = HybridCommunicateGroup(_own_strategy(world, 1, False))
     for version, cls in ((1, _SmallBucketsV1), (2, _OneParamBucketsV2)):
         for acc in (1, 4):
-            parts, trajs, timings = {}, {}, {}
+            parts, trajs, timings = {False: [], True: []}, {}, {}
             for free in (False, True):
-                parts[free], timings[free] = [], {"in_backward": False, "entries": []}
+                timings[free] = {"in_backward": False, "entries": []}
                 st = _own_strategy(world, acc, release=free, free=free)
                 st.sharding_configs.split_param = version == 2
-                trajs[free] = _train_watched(hcg, cls, st, parts[free], timings[free], free)
+                trajs[free] = _train_own(hcg, cls, st, parts[free], free, timing=timings[free])
             _assert_same_runs(parts, trajs)
             for free, timing in timings.items():
                 timing = timing["entries"]
                 buckets = len(timing) // 3  # 3 steps, one completion per bucket and step
                 assert buckets >= 6 and len(timing) == 3 * buckets, (version, acc, timing)
-                early = sum(timing)
                 # release off completes at step(); free: what has finished by a later check-in
                 # (never waiting there; each layer's backward sleeps 5 ms to let gloo finish)
+                early = sum(timing)
                 assert (early >= 3) if free else early == 0, (version, acc, free, timing)
-    return "ok"
 
 
-def _train_watched(hcg, cls, strategy, record, timing, free, steps=3, batch=24):
-    """`_train_own` on a 6-param MLP with every bucket watched (`_watch` with timing)."""
-    group_rank, nranks = dist.get_rank(), dist.get_world_size()
-    acc = strategy.sharding_configs.accumulate_steps
-    model = _mlp([6, 16, 16, 4])
-    for layer in model:
-        layer.register_full_backward_pre_hook(lambda *_: time.sleep(0.005))
-    opt = cls(OPTIMIZERS["adam"](model.parameters()), hcg, strategy)
-    buffers = opt.comm_buffers
-    for buf in buffers:
-        _watch(buf, record, free, timing, buffers)
-    traj = []
-    for step in range(steps):
-        x, y = (t.chunk(nranks)[group_rank] for t in _data(step, batch, *_io(model)))
-        for xb, yb in zip(x.chunk(acc), y.chunk(acc)):
-            loss = F.mse_loss(model(xb), yb) / acc
-            timing["in_backward"] = True
-            loss.backward()
-            timing["in_backward"] = False
-        opt.step()
-        opt.zero_grad(set_to_none=strategy.pp_configs.release_gradients)
-        traj.append([p.detach().clone() for p in model.parameters()])
-    return traj
-
-
-def end_of_backward_bytes(rank, world):
-    """v2 on gloo, own overlap, release on, acc 1, 1 MB buckets: the allocator's bytes right
-    after backward exceed those before the forward by at most G + one bucket + 256 KiB (G the
-    grad buffers' bytes): no collective temporary of a bucket's size outlives its collective.
-    Returns (G, bucket bytes, the measured growth per step)."""
+def end_of_backward_bytes(rank: int, world: int) -> tuple:
+    """v2, 1 MB buckets: growth after backward <= G + bucket + 256 KiB; (G, bucket, growth)."""
     from relgrad_demo.memory import allocator_in_use_bytes
     st = _own_strategy(world, 1, True)
     st.sharding_configs.split_param = True
     st.sharding_configs.comm_buffer_size_MB = 1
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])  # 1.05 M params
-    hcg = HybridCommunicateGroup(st)
-    opt = DygraphShardingOptimizerV2(OPTIMIZERS["adam"](model.parameters()), hcg, st)
+    opt = DygraphShardingOptimizerV2(OPTIMIZERS["adam"](model.parameters()),
+                                     HybridCommunicateGroup(st), st)
     buffers = opt.comm_buffers
     grad_bytes = sum(b.buffer_size * 4 for b in buffers)
     bucket = max(b.buffer_size * 4 for b in buffers)
