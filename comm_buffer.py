@@ -390,7 +390,7 @@ class FusedCommBuffer:
                  acc_steps: int = 1, act: int | None = None, dst: int = -1,
                  use_main_grad: bool | None = None, fuse_param: bool = False,
                  release_grads: bool = False) -> None:
-        # Seed hunk (reconstructed, point 5): fuse_param with release is refused (an assert)
+        # Seed hunk (reconstructed, point 5): fuse_param with release is refused (Paddle asserts)
         if fuse_param and release_grads:
             raise ValueError("FusedCommBuffer: fuse_param=True and release_grads=True cannot be "
                              "used together (as in Paddle)")
