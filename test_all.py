@@ -4,7 +4,8 @@ One test per scenario, in sections named by what they test; what each rank runs 
 its test or in the `relgrad_checks/` module the section names. Multi-rank scenarios run on a
 pool of gloo ranks kept for the session per world size (`ranks(world)`), forked from a
 forkserver that imported torch once; a rank that raises, or a scenario past its timeout, fails
-its test and ends the pool, which is rebuilt for the next test. Each scenario asserts against
+its test and ends the pool, which is rebuilt for the next test; the ranks keep their process
+groups of the default timeout (`_KEPT`). Each scenario asserts against
 something independent: per-param collectives done by hand, one process training the same
 model on the whole batch, release off vs on (bitwise). The runs in processes of their own (the
 main job, torchrun's) start with the session, one after another, beside the tests.
@@ -69,23 +70,57 @@ def _pool_rank(rank, world, port, inbox, outbox):
                           timeout=timedelta(seconds=TIMEOUT))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT))
+    dist.new_group = _kept_new_group(dist.new_group)
+    jobs = 0
     while True:
         job = inbox.get()
         if job is None:
             break
         fn, args = job
+        jobs += 1
         _destroy_subgroups()  # the last scenario's: every rank of the pool is done with it
         try:
+            _check_kept_groups(jobs)
             outbox.put((rank, True, fn(rank, world, *args)))
         except BaseException:  # reported to the parent, which ends every rank
             outbox.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
 
 
+# Groups of the default timeout, kept from scenario to scenario: a gloo group costs ~20 ms of
+# connecting, and a scenario builds several (each HybridCommunicateGroup its own), which added
+# up to ~10 s of the suite. Groups of another timeout (the failure scenarios', which may
+# abandon a collective) are built anew and destroyed after their scenario.
+_KEPT = {}
+
+
+def _kept_new_group(new_group):
+    def kept(ranks=None, timeout=None, **kwargs):
+        if kwargs or timeout != timedelta(seconds=TIMEOUT):
+            return new_group(ranks, timeout=timeout, **kwargs)
+        key = None if ranks is None else tuple(ranks)
+        if key not in _KEPT:  # every rank calls new_group (or not) alike, as torch requires
+            _KEPT[key] = new_group(ranks, timeout=timeout)
+        return _KEPT[key]
+    return kept
+
+
+def _check_kept_groups(jobs):
+    """Raise if a kept group still holds a collective the last scenario left unmatched: its
+    first collective here would pair with it and sum something else than `jobs` per rank."""
+    for ranks in sorted(_KEPT, key=str):  # one order on every rank: no two wait on each other
+        group = _KEPT[ranks]
+        if dist.get_rank() in (ranks or ()):
+            seen = torch.tensor([float(jobs)])
+            dist.all_reduce(seen, group=group)
+            if seen.item() != jobs * len(ranks):
+                raise RuntimeError(f"kept group {ranks}: a collective left over ({seen.item()})")
+
+
 def _destroy_subgroups():
-    """Destroy the groups earlier scenarios built (kept, their gloo threads pile up, ~300 per
-    rank over the suite, and take cores from the other tests); not while a timed-out p2p wait
-    of the pipeline may still use its group (`_ABANDONED`)."""
+    """Destroy the groups earlier scenarios built but `_KEPT` (else their gloo threads pile up,
+    ~300 per rank over the suite, and take cores from the other tests); not while a timed-out
+    p2p wait of the pipeline may still use its group (`_ABANDONED`)."""
     pipeline_module = sys.modules.get("pipeline")
     abandoned = pipeline_module._ABANDONED if pipeline_module is not None else []
     works = [w for entry in abandoned for w in (entry if isinstance(entry, list) else [entry])]
@@ -93,7 +128,7 @@ def _destroy_subgroups():
         return  # (a test's stand-in work has no is_completed: it holds no group)
     world_group = dist.group.WORLD
     for group in list(dist.distributed_c10d._world.pg_map):  # no public list of groups
-        if group is not world_group:
+        if group is not world_group and group not in _KEPT.values():
             dist.destroy_process_group(group)
 
 
@@ -184,6 +219,20 @@ def test_pool_runs_and_recovers(ranks):
     with pytest.raises(RankFailed, match="injected failure on rank 1"):
         ranks(2).run(_raise_on, 1)
     assert time.monotonic() - start < 20
+    assert ranks(2).run(_raise_on, -1) == [0, 1]
+
+
+def _leave_a_collective(rank, world):
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=TIMEOUT))  # a kept group
+    if rank == 0:
+        dist.all_reduce(torch.ones(1), group=group, async_op=True)  # rank 1 never joins
+
+
+def test_pool_kept_group_left_unmatched_fails(ranks):
+    """Check that a collective a scenario leaves unmatched on a kept group fails the next one."""
+    ranks(2).run(_leave_a_collective)
+    with pytest.raises(RankFailed, match=r"kept group \(0, 1\): a collective left over"):
+        ranks(2).run(_raise_on, -1)
     assert ranks(2).run(_raise_on, -1) == [0, 1]
 
 
