@@ -87,10 +87,10 @@ def _pool_rank(rank, world, port, inbox, outbox):
     dist.destroy_process_group()
 
 
-# Groups of the default timeout, kept from scenario to scenario: a gloo group costs ~20 ms of
-# connecting, and a scenario builds several (each HybridCommunicateGroup its own), which added
-# up to ~10 s of the suite. Groups of another timeout (the failure scenarios', which may
-# abandon a collective) are built anew and destroyed after their scenario.
+# Groups of the default timeout, kept from scenario to scenario: each new gloo group connects its
+# pairs through the store, and a scenario builds several (each HybridCommunicateGroup its own).
+# Groups of another timeout (the failure scenarios', which may abandon a collective) are built
+# anew and destroyed after their scenario.
 _KEPT = {}
 
 
