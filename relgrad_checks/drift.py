@@ -185,8 +185,7 @@ def heading_anchors(text: str) -> set:
 _RANGES = r"`((?:\d+-\d+)(?:, \d+-\d+)*)`"  # the hunk's lines, in the row's file
 _ROW = re.compile(r"^\| (\d+) \| (.*?) \| (.*?) \| `([\w/]+\.py): ([\w.]+)` \| " + _RANGES
                   + r" \| ?(.*?) ?\|$", re.M)
-# "read with": a name (in the row's file, or in `file.py: name`'s) and its range
-_READ = re.compile(r"`(?:([\w/]+\.py): )?([\w.]+)` (\d+-\d+)")
+_READ = re.compile(r"`([\w.]+)` (\d+-\d+)")  # "read with": a name and its range, the row's file
 
 
 def _parse_ranges(text):
@@ -327,10 +326,10 @@ def check_hunk_row(row: tuple) -> str | None:
     """Why a row of the hunk table does not match the code (its names, its ranges of the
     `Seed hunk` marks, `hunk_range`), or None."""
     number, hunk, file, qualname, ranges, read_with = row
-    for other_file, name, cited in _READ.findall(read_with):
-        actual = read_with_range(other_file or file, name)
+    for name, cited in _READ.findall(read_with):
+        actual = read_with_range(file, name)
         if actual is None:
-            return f"row {number}: read with `{name}`: {other_file or file} has none"
+            return f"row {number}: read with `{name}`: {file} has none"
         if _parse_ranges(cited) != [actual]:
             at = _format_ranges([actual])
             return f"row {number}: read with `{name}` cites {cited}, it is at {at}"
@@ -359,11 +358,8 @@ def fix_ranges(readme: str) -> str:
         return row[:start] + _format_ranges(actual) + row[end:]
 
     def _read_fixed(file, r):
-        actual = read_with_range(r.group(1) or file, r.group(2))
-        if actual is None:
-            return r.group(0)
-        cited = f"{r.group(1)}: {r.group(2)}" if r.group(1) else r.group(2)
-        return f"`{cited}` {_format_ranges([actual])}"
+        actual = read_with_range(file, r.group(1))
+        return r.group(0) if actual is None else f"`{r.group(1)}` {_format_ranges([actual])}"
     return _ROW.sub(fixed, readme)
 
 
