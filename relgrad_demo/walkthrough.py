@@ -297,7 +297,7 @@ class _Narrator:
         text = (f"{self._bucket(buffer)} waited, " + (
             f"scaled by 1/{buffer._nranks}" if anything else "nothing to read here"))
         if value is not None:
-            text += f"; {self.wname} = {_num(value)}, the mean of the sums"
+            text += f"; {self.wname} = {_num(value)}, the mean over the ranks"
         self.emit("wait", ("comm_buffer.py", "FusedCommBuffer.scale_grads"), text, buffer=buffer,
                   reduced=value, watched=None if value is None else self.wname)
 
